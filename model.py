@@ -1,0 +1,362 @@
+"""A decoder-only transformer of the Llama / Qwen2 family in plain PyTorch, with a preallocated KV cache and
+Hugging Face-format checkpoint folders (config.json + model.safetensors + tokenizer.json) both ways.
+
+The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
+  1. h = embed_tokens[idx]                                                        [B, T, C]
+  2. per block: h += o_proj(Attn(RoPE(q_proj(RMSNorm(h))), RoPE(k_proj(.)), v_proj(.)))  causal, GQA
+                h += down_proj(silu(gate_proj(RMSNorm(h))) * up_proj(RMSNorm(h)))           SwiGLU
+  3. logits = lm_head(RMSNorm(h))   (lm_head tied to embed_tokens or not)        [B, T, V]
+RoPE (Su et al. 2021), half-split ("rotate_half") layout as in Hugging Face: for frequency i < D/2,
+  θ_i = base^(−2i/D), (x_i, x_{i+D/2}) at position p  →  (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
+Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s is
+s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it never yields NaN).
+Module names are Hugging Face's, so state_dict() keys are checkpoint tensor names: loading is strict=True.
+
+  python -c "from model import *; m = Transformer(ModelConfig()); print(m)"
+"""
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"          # "llama" (no q/k/v bias) or "qwen2" (q/k/v bias): the HF architecture
+    vocab_size: int = 32               # V
+    hidden_size: int = 128             # C
+    n_layers: int = 4
+    n_heads: int = 4                   # H
+    n_kv_heads: int = 4                # H_kv; GQA (Ainslie et al. 2023) shares each K/V head by H / H_kv queries
+    head_dim: int = 0                  # D; 0 means hidden_size // n_heads
+    intermediate_size: int = 352       # SwiGLU hidden width (Shazeer 2020)
+    max_seq_len: int = 256             # max_position_embeddings
+    rope_theta: float = 10000.0        # RoPE base
+    rope_scaling: dict | None = None   # None or Llama-3 style {"rope_type": "llama3", "factor", ...}
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True        # lm_head.weight is embed_tokens.weight
+    attention_bias: bool = False       # bias on q/k/v (Qwen2: always; Llama: config.attention_bias)
+    o_bias: bool = False               # bias on o_proj (Llama with attention_bias=True only)
+    extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back unchanged
+
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.n_heads
+        if self.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type {self.model_type!r} is not supported: use 'llama' or 'qwen2'")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.model_type == "qwen2" and (not self.attention_bias or self.o_bias):
+            raise ValueError("qwen2 has q/k/v bias and no o_proj bias: set attention_bias=True, o_bias=False")
+
+
+# (our field, Hugging Face config.json key) for the keys every checkpoint must carry
+HF_KEYS = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("n_layers", "num_hidden_layers"),
+           ("n_heads", "num_attention_heads"), ("intermediate_size", "intermediate_size"),
+           ("max_seq_len", "max_position_embeddings"), ("rms_eps", "rms_norm_eps")]
+
+
+def config_from_hf(d: dict, where: str) -> ModelConfig:
+    """Hugging Face config.json dict -> ModelConfig; `where` names the file in every error."""
+    mt = d.get("model_type")
+    if mt not in ("llama", "qwen2"):
+        raise ValueError(f"{where}: model_type {mt!r} is not supported (expected 'llama' or 'qwen2')")
+    missing = [k for _, k in HF_KEYS if k not in d]
+    if missing:
+        raise KeyError(f"{where}: missing config key(s) {missing}")
+    kw = {ours: d[theirs] for ours, theirs in HF_KEYS}
+    rope = d.get("rope_parameters") or {}                 # transformers >= 5 nests the RoPE settings here
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "llama3"):
+        raise ValueError(f"{where}: rope scaling {scaling!r} is not supported (only 'llama3')")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: only a bias-free SwiGLU MLP (hidden_act 'silu', mlp_bias false) is supported")
+    bias = mt == "qwen2" or bool(d.get("attention_bias", False))
+    known = {k for _, k in HF_KEYS} | {"model_type", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+                                       "rope_parameters", "tie_word_embeddings", "attention_bias"}
+    return ModelConfig(model_type=mt, n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                       head_dim=d.get("head_dim") or 0, rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))),
+                       rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+                       attention_bias=bias, o_bias=bias and mt == "llama",
+                       extra={k: v for k, v in d.items() if k not in known}, **kw)
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    d = {"architectures": ["Qwen2ForCausalLM" if cfg.model_type == "qwen2" else "LlamaForCausalLM"],
+         "hidden_act": "silu", "use_cache": True, **cfg.extra}
+    d.update({theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS})
+    d.update(model_type=cfg.model_type, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+             rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, torch_dtype=str(dtype)[6:])
+    if cfg.rope_scaling:
+        d["rope_scaling"] = cfg.rope_scaling
+    if cfg.model_type == "llama":
+        d.update(attention_bias=cfg.attention_bias, mlp_bias=False)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- the network
+def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
+    """θ_i = base^(−2i/D), i < D/2, float32 [D/2]; with Llama-3 frequency-dependent scaling when configured."""
+    D = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+    s = cfg.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "llama3":  # Llama 3.1: slow down low frequencies by `factor`
+        f, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)             # linear blend between the two bands
+        mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(mid, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+    return inv
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, T, D], cos/sin [B, 1, T, D]: rotate each (x_i, x_{i+D/2}) pair by its angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # normalise in float32, as Hugging Face does, then scale in the input dtype
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)       # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)     # [B, H_kv, T, D]
+        v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # write this chunk at slots [n, n+T), attend over every slot written so far
+            k, v = cache.write(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.Hkv != self.H)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, mask, cache, layer):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class KVCache:
+    """Preallocated keys/values, [B, H_kv, max_len, D] per layer, filled left to right at one shared slot counter
+    `n` (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
+    first real slot. Allocated once per rollout and passed into forward; never a buffer on the module."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
+        self.n = 0
+
+    def write(self, layer, k, v):
+        T = k.shape[2]
+        self.k[layer, :, :, self.n:self.n + T] = k
+        self.v[layer, :, :, self.n:self.n + T] = v
+        return self.k[layer, :, :, :self.n + T], self.v[layer, :, :, :self.n + T]
+
+    def index_rows(self, rows: torch.Tensor) -> "KVCache":
+        """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,
+        a subset drops finished rows. Advanced indexing copies, so the result owns its memory."""
+        new = KVCache.__new__(KVCache)
+        new.k, new.v = self.k[:, rows], self.v[:, rows]
+        new.start, new.n = self.start[rows], self.n
+        return new
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()  # Hugging Face nests the body under `model.`
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.source_dir = None  # the folder this was loaded from: save_pretrained copies its tokenizer files
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m):  # GPT-2 style: N(0, 0.02), zero bias; RMSNorm weights stay 1
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False):
+        """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx fills slots
+        [cache.n, cache.n + T) and cache.start gives the left padding; without one, `start` [B] does (default 0)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
+        B, T = idx.shape
+        n0 = cache.n if cache is not None else 0
+        if cache is not None:
+            start = cache.start
+        if n0 + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        slots = torch.arange(n0, n0 + T, device=idx.device)                           # [T]
+        pos = slots[None] if start is None else (slots[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
+        ang = pos[..., None].float() * rope_inv_freq(self.config, idx.device)          # [B, T, D/2]
+        ang = torch.cat((ang, ang), dim=-1)[:, None]                                   # [B, 1, T, D]
+        h = self.model.embed_tokens(idx)
+        cos, sin = ang.cos().to(h.dtype), ang.sin().to(h.dtype)
+        mask = None  # plain causal, the fast path for unpadded training batches
+        if cache is not None or start is not None:
+            keys = torch.arange(n0 + T, device=idx.device)                             # [S]
+            st = torch.zeros(B, dtype=torch.long, device=idx.device) if start is None else start
+            mask = (keys[None, :] <= slots[:, None])[None] & (  # causal, and no pad keys except oneself
+                (keys[None, None, :] >= st[:, None, None]) | (keys[None, :] == slots[:, None])[None])
+            mask = mask[:, None]                                                       # [B, 1, T, S]
+        for i, block in enumerate(self.model.layers):
+            h = block(h, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.n += T
+        h = self.model.norm(h[:, -1:] if last_only else h)
+        return F.linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+
+    def new_cache(self, batch, max_len, start=None) -> KVCache:
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config, batch, max_len, w.device, w.dtype, start)
+
+    # --------------------------------------------------------------------------- Hugging Face folders
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
+        """Load a Hugging Face folder (config.json, model.safetensors or a sharded index). Checks every tensor's
+        name and shape before loading anything; errors name the file and the key or tensor."""
+        cfg = read_config(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        sd = {}
+        for fname in _weight_files(path):
+            for k, t in load_file(os.path.join(path, fname)).items():
+                if k == "lm_head.weight" and cfg.tie_embeddings:
+                    continue  # some tied checkpoints store the shared matrix twice
+                if k not in expected:
+                    raise KeyError(f"{os.path.join(path, fname)}: unexpected tensor {k!r}")
+                if t.shape != expected[k]:
+                    raise ValueError(f"{os.path.join(path, fname)}: tensor {k!r} has shape {tuple(t.shape)}, "
+                                     f"config.json implies {tuple(expected[k])}")
+                sd[k] = t.to(dtype) if dtype is not None else t
+        missing = sorted(set(expected) - set(sd))
+        if missing:
+            raise KeyError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        model.load_state_dict(sd, strict=True, assign=True)
+        model.source_dir = str(path)
+        return model.to(device) if device is not None else model
+
+    def save_pretrained(self, path, tokenizer=None):
+        """Write config.json + model.safetensors with Hugging Face names, and the tokenizer: `tokenizer` (a
+        tokenizers.Tokenizer) if given, else the tokenizer files of the folder this model was loaded from."""
+        os.makedirs(path, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        dtype = next(iter(sd.values())).dtype
+        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config_to_hf(self.config, dtype), f, indent=2)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, path)
+        elif self.source_dir and os.path.abspath(self.source_dir) != os.path.abspath(path):
+            for name in TOKENIZER_FILES:
+                if os.path.exists(os.path.join(self.source_dir, name)):
+                    shutil.copy(os.path.join(self.source_dir, name), os.path.join(path, name))
+
+
+def read_config(path) -> ModelConfig:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
+    fname = os.path.join(path, "config.json")
+    if not os.path.exists(fname):
+        raise FileNotFoundError(f"{fname} is missing")
+    with open(fname) as f:
+        return config_from_hf(json.load(f), fname)
+
+
+def _weight_files(path) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+    return ["model.safetensors"]
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+def build_char_tokenizer(chars: str):
+    """A character-level tokenizers.Tokenizer: ids 0..2 are <pad>, <bos>, <eos>, then one id per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"duplicate characters in {chars!r}")
+    vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + list(chars))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()  # join without spaces
+    tok.add_special_tokens(list(SPECIALS))
+    return tok
+
+
+def save_tokenizer(tok, path):
+    """tokenizer.json plus a tokenizer_config.json so transformers' AutoTokenizer loads the folder too."""
+    tok.save(os.path.join(path, "tokenizer.json"))
+    specials = {f"{s[1:-1]}_token": s for s in SPECIALS if tok.token_to_id(s) is not None}
+    if specials and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **specials}, f, indent=2)
+
+
+def load_tokenizer(path):
+    from tokenizers import Tokenizer
+    fname = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(fname):
+        raise FileNotFoundError(f"{fname} is missing")
+    return Tokenizer.from_file(fname)
+

@@ -1,0 +1,221 @@
+"""model.py: cache vs full forward, padding, RoPE and GQA against direct formulas, HF folders, bad input."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import (KVCache, ModelConfig, Transformer, apply_rope, build_char_tokenizer, load_tokenizer,
+                   read_config, rope_inv_freq)
+
+
+def tiny(**kw):
+    base = dict(vocab_size=23, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48,
+                max_seq_len=64)
+    base.update(kw)
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(**base)).eval()
+    with torch.no_grad():  # random norms and biases, so a wrong layout cannot hide behind ones and zeros
+        for n, p in m.named_parameters():
+            if "norm" in n or "bias" in n:
+                p.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("kw", [{}, dict(model_type="qwen2", attention_bias=True, tie_embeddings=False)])
+def test_cached_decoding_matches_full_forward(kw):
+    m = tiny(**kw)
+    idx = torch.randint(0, 23, (3, 20))
+    with torch.no_grad():
+        full = m(idx)
+        cache = m.new_cache(3, 20)
+        steps = [m(idx[:, :8], cache)] + [m(idx[:, t:t + 1], cache) for t in range(8, 20)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+
+
+def test_left_padded_batch_matches_each_prompt_alone():
+    m = tiny()
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
+    S = max(map(len, prompts))
+    idx = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
+    start = torch.tensor([S - len(p) for p in prompts])
+    nxt = torch.randint(0, 23, (3, 5))  # then 5 decode steps, the same token per row
+    with torch.no_grad():
+        cache = m.new_cache(3, S + 5, start=start)
+        batched = torch.cat([m(idx, cache)] + [m(nxt[:, t:t + 1], cache) for t in range(5)], 1)
+        uncached = m(torch.cat([idx, nxt], 1), start=start)  # the training path: padding without a cache
+        for b, p in enumerate(prompts):
+            alone = m(torch.cat([torch.tensor([p]), nxt[b:b + 1]], 1))[0]
+            got = batched[b, start[b]:]
+            assert (got - alone).abs().max() < 1e-5
+            assert (uncached[b, start[b]:] - alone).abs().max() < 1e-5
+    assert torch.isfinite(batched).all()  # pad queries attend to themselves: no NaN anywhere
+
+
+def test_cache_index_rows_shares_one_prefill():
+    m = tiny()
+    idx = torch.randint(0, 23, (2, 6))
+    with torch.no_grad():
+        c = m.new_cache(2, 10)
+        m(idx, c)
+        c = c.index_rows(torch.arange(2).repeat_interleave(3))  # G = 3 samples per prompt
+        nxt = torch.randint(0, 23, (6, 1))
+        out = m(nxt, c)[:, -1]
+        ref = m(torch.cat([idx.repeat_interleave(3, 0), nxt], 1))[:, -1]
+        assert (out - ref).abs().max() < 1e-5
+        sub = c.index_rows(torch.tensor([1, 4]))  # drop finished rows: the rest continue unchanged
+        nxt2 = torch.randint(0, 23, (2, 1))
+        ref2 = m(torch.cat([idx.repeat_interleave(3, 0)[[1, 4]], nxt[[1, 4]], nxt2], 1))[:, -1]
+        assert (m(nxt2, sub)[:, -1] - ref2).abs().max() < 1e-5
+
+
+def test_rope_matches_direct_formula():
+    cfg = ModelConfig(hidden_size=16, n_heads=2, n_kv_heads=2, rope_theta=100.0)
+    D = cfg.head_dim
+    x = torch.randn(1, 1, 5, D)
+    out = torch.empty_like(x)
+    for p in range(5):  # rotate each pair (x_i, x_{i+D/2}) by angle p * base^(-2i/D), written out by hand
+        for i in range(D // 2):
+            a = p * cfg.rope_theta ** (-2 * i / D)
+            x1, x2 = x[0, 0, p, i].item(), x[0, 0, p, i + D // 2].item()
+            out[0, 0, p, i] = x1 * math.cos(a) - x2 * math.sin(a)
+            out[0, 0, p, i + D // 2] = x2 * math.cos(a) + x1 * math.sin(a)
+    ang = torch.arange(5).float()[:, None] * rope_inv_freq(cfg, None)
+    ang = torch.cat((ang, ang), -1)[None, None]
+    assert (apply_rope(x, ang.cos(), ang.sin()) - out).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kv", [1, 2, 4])
+def test_gqa_attention_matches_naive_per_head_loop(kv):
+    m = tiny(n_kv_heads=kv)
+    attn, cfg = m.model.layers[0].self_attn, m.config
+    x = torch.randn(2, 7, 32)
+    H, D, T = cfg.n_heads, cfg.head_dim, 7
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2).float() / D)
+    ang = torch.arange(T).float()[:, None] * inv
+    ang = torch.cat((ang, ang), -1)[None, None]
+    with torch.no_grad():
+        got = attn(x, ang.cos(), ang.sin(), None, None, 0)
+        q = attn.q_proj(x).view(2, T, H, D).transpose(1, 2)
+        k = attn.k_proj(x).view(2, T, kv, D).transpose(1, 2)
+        v = attn.v_proj(x).view(2, T, kv, D).transpose(1, 2)
+        q, k = apply_rope(q, ang.cos(), ang.sin()), apply_rope(k, ang.cos(), ang.sin())
+        heads = []
+        for h in range(H):  # query head h reads K/V head h // (H / H_kv)
+            g = h // (H // kv)
+            s = q[:, h] @ k[:, g].transpose(-1, -2) / math.sqrt(D)
+            s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+            heads.append(s.softmax(-1) @ v[:, g])
+        ref = attn.o_proj(torch.stack(heads, 2).reshape(2, T, H * D))
+    assert (got - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kw", [{}, dict(model_type="qwen2", attention_bias=True, tie_embeddings=False, n_kv_heads=1)])
+def test_save_load_round_trip_is_bit_exact(tmp_path, kw):
+    m = tiny(**kw)
+    tok = build_char_tokenizer("0123456789+-=")
+    m.save_pretrained(tmp_path / "a", tokenizer=tok)
+    m2 = Transformer.from_pretrained(tmp_path / "a")
+    assert m2.config == m.config
+    for (k, a), (k2, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    names = set(load_file(tmp_path / "a" / "model.safetensors"))
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "model.norm.weight" in names
+    assert ("lm_head.weight" in names) == (not m.config.tie_embeddings)
+    m2.save_pretrained(tmp_path / "b")  # a reloaded model carries its tokenizer along
+    assert load_tokenizer(tmp_path / "b").encode("12+3=").ids == tok.encode("12+3=").ids
+    assert Transformer.from_pretrained(tmp_path / "b").config == m.config
+
+
+def test_sharded_checkpoint_and_bf16(tmp_path):
+    m = tiny()
+    m.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    os.remove(tmp_path / "model.safetensors")
+    keys = sorted(sd)
+    parts = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for fname, ks in parts.items():
+        save_file({k: sd[k] for k in ks}, tmp_path / fname)
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {k: fn for fn, ks in parts.items() for k in ks}}, f)
+    m2 = Transformer.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert m2.model.norm.weight.dtype == torch.bfloat16
+    assert torch.equal(m2.model.embed_tokens.weight, m.model.embed_tokens.weight.bfloat16())
+
+
+def test_char_tokenizer_round_trip():
+    tok = build_char_tokenizer("0123456789+-*=;# ")
+    s = "8-18=-10;-10+13=3 #### 3"
+    ids = tok.encode(s).ids
+    assert len(ids) == len(s) and tok.decode(ids) == s
+    assert tok.token_to_id("<pad>") == 0 and tok.token_to_id("<eos>") == 2
+    assert tok.encode("<bos>1").ids == [1, 4]
+
+
+def _broken(tmp_path, edit_config=None, edit_tensors=None):
+    m = tiny()
+    m.save_pretrained(tmp_path)
+    if edit_config:
+        d = json.load(open(tmp_path / "config.json"))
+        edit_config(d)
+        json.dump(d, open(tmp_path / "config.json", "w"))
+    if edit_tensors:
+        sd = load_file(tmp_path / "model.safetensors")
+        edit_tensors(sd)
+        save_file(sd, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_bad_inputs_name_the_culprit(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        Transformer.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(KeyError, match="num_hidden_layers"):
+        read_config(_broken(tmp_path / "a", edit_config=lambda d: d.pop("num_hidden_layers")))
+    with pytest.raises(ValueError, match="gpt2"):
+        read_config(_broken(tmp_path / "b", edit_config=lambda d: d.update(model_type="gpt2")))
+    with pytest.raises(ValueError, match="yarn"):
+        read_config(_broken(tmp_path / "b2", edit_config=lambda d: d.update(rope_scaling={"rope_type": "yarn"})))
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        Transformer.from_pretrained(_broken(tmp_path / "c", edit_tensors=lambda sd: sd.pop(
+            "model.layers.1.mlp.up_proj.weight")))
+    with pytest.raises(KeyError, match="model.layers.0.extra.weight"):
+        Transformer.from_pretrained(_broken(tmp_path / "d", edit_tensors=lambda sd: sd.update(
+            {"model.layers.0.extra.weight": torch.zeros(2)})))
+    with pytest.raises(ValueError, match=r"model.norm.weight.*\(31,\)"):
+        Transformer.from_pretrained(_broken(tmp_path / "e", edit_tensors=lambda sd: sd.update(
+            {"model.norm.weight": torch.zeros(31)})))
+    os.remove(tmp_path / "e" / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        Transformer.from_pretrained(tmp_path / "e")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        tiny()(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_matches_transformers_when_installed(tmp_path):
+    tr = pytest.importorskip("transformers")
+    for i, cfg in enumerate([
+        tr.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True),
+        tr.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)]):
+        torch.manual_seed(i)
+        hf = tr.AutoModelForCausalLM.from_config(cfg).eval()
+        hf.save_pretrained(tmp_path / f"hf{i}")
+        ours = Transformer.from_pretrained(tmp_path / f"hf{i}")
+        idx = torch.randint(0, 50, (2, 30))
+        with torch.no_grad():
+            ref = hf(idx).logits
+            assert (ours(idx) - ref).abs().max() < 1e-4
+            ours.save_pretrained(tmp_path / f"ours{i}")
+            back = tr.AutoModelForCausalLM.from_pretrained(tmp_path / f"ours{i}").eval()
+            assert (back(idx).logits - ref).abs().max() < 1e-4
+
+
+def test_kv_cache_is_not_a_module_buffer():
+    m = tiny()
+    assert not list(m.buffers())
+    assert isinstance(m.new_cache(2, 8), KVCache)

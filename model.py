@@ -332,8 +332,9 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
 def build_char_tokenizer(chars: str):
-    """A character-level tokenizers.Tokenizer: ids 0..2 are <pad>, <bos>, <eos>, then one id per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizers.Tokenizer: ids 0..2 are <pad>, <bos>, <eos>, then one id per character;
+    encode() prepends <bos>, so every user of the folder (ours, transformers, vLLM) sees the same prompt ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     if len(set(chars)) != len(chars):
         raise ValueError(f"duplicate characters in {chars!r}")
     vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + list(chars))}
@@ -341,6 +342,7 @@ def build_char_tokenizer(chars: str):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
     tok.decoder = decoders.Fuse()  # join without spaces
     tok.add_special_tokens(list(SPECIALS))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return tok
 
 

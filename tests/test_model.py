@@ -149,9 +149,10 @@ def test_char_tokenizer_round_trip():
     tok = build_char_tokenizer("0123456789+-*=;# ")
     s = "8-18=-10;-10+13=3 #### 3"
     ids = tok.encode(s).ids
-    assert len(ids) == len(s) and tok.decode(ids) == s
+    assert ids[0] == 1 and len(ids) == len(s) + 1 and tok.decode(ids) == s  # <bos> first, skipped on decode
     assert tok.token_to_id("<pad>") == 0 and tok.token_to_id("<eos>") == 2
-    assert tok.encode("<bos>1").ids == [1, 4]
+    assert tok.encode("1").ids == [1, 4] and tok.encode("1", add_special_tokens=False).ids == [4]
+    assert tok.decode([4, 2], skip_special_tokens=False) == "1<eos>"
 
 
 def _broken(tmp_path, edit_config=None, edit_tensors=None):

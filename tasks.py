@@ -1,0 +1,162 @@
+"""Problems for reasoning RL: synthetic generators, JSONL loaders for GSM8K / MATH, prompt templates.
+
+1. arithmetic(seed, index): a chain like "8-18*3+13=" in a small synthetic language evaluated STRICTLY LEFT TO
+   RIGHT, one binary step at a time (not school precedence: 8-18*3 means (8-18)*3). + and - take operands in
+   0..max_operand, * only takes 0..max_mul_operand. level = number of operations, drawn in [min_ops, max_ops].
+   prompt "8-18+13="   solution "8-18=-10;-10+13=3 #### 3"   gold "3"
+   Every step is "a op b=c", so verify.step_rewards can check it and verify.reward(solution, gold) == 1.0.
+2. countdown(seed, index): reach a target with the given numbers, each used at most once, and + - * /.
+   prompt "3 7 25>46=" (the numbers sorted, ">", the target, "="); solution an expression that uses every
+   number once with standard precedence, e.g. "7*3+25"; gold the target "46". The target is reachable by
+   construction: it is the value of a random expression over the numbers (retried until a positive integer).
+   countdown_check parses an expression with verify.eval_arith (exact Fractions, no eval).
+3. Determinism: problem (seed, index) comes from its own random.Random seeded with the string
+   "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so problem i never
+   depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
+4. load_gsm8k / load_math read JSONL files; render_prompt wraps a question in a template.
+
+CHARS holds every character an arithmetic or countdown prompt or solution can contain (a char-level vocabulary).
+
+Tests: python -m pytest -q tests/test_tasks.py
+"""
+import json
+import random
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from verify import MAX_EXPR, eval_arith, extract_answer
+
+CHARS = "0123456789+-*/()=;#> "
+
+
+@dataclass
+class Problem:
+    prompt: str  # the question text, untemplated
+    gold: str  # the gold final answer
+    solution: str  # a worked completion for a supervised cold start, in a format verify.extract_answer reads
+    level: int = 0  # difficulty (number of operations); 0 when unknown
+
+
+def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_operand: int = 30,
+               max_mul_operand: int = 9) -> Problem:
+    """A left-to-right arithmetic chain with a step-by-step solution (see step 1 of the module docstring)."""
+    rng = random.Random(f"arithmetic:{seed}:{index}")
+    n_ops = rng.randint(min_ops, max_ops)
+    value = rng.randint(0, max_operand)
+    prompt, steps = str(value), []
+    for _ in range(n_ops):
+        op = rng.choice("+-*")
+        b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
+        new = value + b if op == "+" else value - b if op == "-" else value * b
+        steps.append(f"{value}{op}{b}={new}")
+        prompt, value = prompt + f"{op}{b}", new
+    return Problem(prompt=prompt + "=", gold=str(value), solution=";".join(steps) + f" #### {value}", level=n_ops)
+
+
+def countdown(seed: int, index: int, n_numbers: int = 3, max_number: int = 25) -> Problem:
+    """Reach a target from n_numbers numbers in 1..max_number (see step 2 of the module docstring)."""
+    rng = random.Random(f"countdown:{seed}:{index}")
+    for tries in range(101):  # most random expressions already give a positive integer; try 100 surely does
+        numbers = [rng.randint(1, max_number) for _ in range(n_numbers)]
+        expr, value, last = str(numbers[0]), Fraction(numbers[0]), ""
+        for n in numbers[1:]:
+            op = rng.choice("+-*/" if tries < 100 else "+")  # a sum of positive numbers always works
+            if op in "*/" and last in ("+", "-"):
+                expr = f"({expr})"  # the left operand is a sum: keep it together under standard precedence
+            expr, last = f"{expr}{op}{n}", op
+            value = value + n if op == "+" else value - n if op == "-" else value * n if op == "*" else value / n
+        if value.denominator == 1 and value > 0:
+            break
+    prompt = " ".join(map(str, sorted(numbers))) + f">{value}="
+    return Problem(prompt=prompt, gold=str(value), solution=expr, level=n_numbers - 1)
+
+
+def countdown_check(expr: str, numbers: list[int], target: int) -> bool:
+    """True iff expr (integers, + - * /, parentheses) uses only the given numbers, each at most once, and
+    evaluates exactly to target. Division by zero, unary signs and over-long expressions are False."""
+    if len(expr) > MAX_EXPR or not re.fullmatch(r"[0-9+\-*/() ]+", expr) or re.search(r"(^|[-+*/(])\s*[-+]", expr):
+        return False
+    pool = list(numbers)
+    for n in map(int, re.findall(r"[0-9]+", expr)):
+        if n not in pool:
+            return False  # not given, or given fewer times than used
+        pool.remove(n)
+    value = eval_arith(expr)
+    return value is not None and value == target
+
+
+def countdown_reward(completion: str, problem: Problem) -> float:
+    """1.0 iff the completion's expression solves the countdown problem. The expression is the extracted
+    answer (<answer>, \\boxed{}, ...) or else the completion's first line up to any "<" (an EOS string like
+    <|endoftext|>); a trailing "=target" is allowed."""
+    m = re.fullmatch(r"([0-9 ]+)>([0-9]+)=", problem.prompt)
+    if m is None:
+        raise ValueError(f"not a countdown prompt: {problem.prompt!r}")
+    answer = extract_answer(completion)
+    expr = answer if answer is not None else completion.strip().split("\n", 1)[0].split("<", 1)[0]
+    expr = expr.split("=")[0]
+    return float(countdown_check(expr.strip(), [int(n) for n in m[1].split()], int(m[2])))
+
+
+def _read_jsonl(path, keys: tuple[str, ...]):
+    """Yield (where, record) per non-empty line; ValueError naming file:line for bad JSON or a missing key."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: bad JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            for key in keys:
+                if not isinstance(record.get(key), str):
+                    raise ValueError(f"{where}: missing string field {key!r}")
+            yield where, record
+
+
+def load_gsm8k(path) -> list[Problem]:
+    """GSM8K JSONL: "question", and "answer" whose last line is "#### N"; gold is N with commas stripped."""
+    problems = []
+    for where, r in _read_jsonl(path, ("question", "answer")):
+        i = r["answer"].rfind("####")
+        gold = r["answer"][i + 4:].strip().split("\n")[0].strip().replace(",", "") if i >= 0 else ""
+        if not gold:
+            raise ValueError(f"{where}: no final answer ('#### N') in 'answer'")
+        problems.append(Problem(prompt=r["question"], gold=gold, solution=r["answer"], level=0))
+    return problems
+
+
+def load_math(path) -> list[Problem]:
+    """MATH JSONL: "problem", "solution" with a \\boxed{} answer (the gold), optional "level" like "Level 3"."""
+    problems = []
+    for where, r in _read_jsonl(path, ("problem", "solution")):
+        gold = extract_answer(r["solution"])
+        if not gold:
+            raise ValueError(f"{where}: no final answer (\\boxed{{}}) in 'solution'")
+        level = re.search(r"\d+", str(r.get("level", "")))
+        problems.append(Problem(prompt=r["problem"], gold=gold, solution=r["solution"],
+                                level=int(level.group()) if level else 0))
+    return problems
+
+
+TEMPLATES = {
+    "plain": "{question}",
+    # DeepSeek-R1-Zero style: reasoning in <think></think>, the final answer in <answer></answer>
+    "r1": ("A conversation between User and Assistant. The User asks a question and the Assistant solves it. "
+           "The Assistant first thinks through the reasoning process and then gives the User the answer. "
+           "The reasoning process is enclosed in <think> </think> tags and the answer in <answer> </answer> tags, "
+           "i.e. <think> reasoning process here </think> <answer> answer here </answer>.\n"
+           "User: {question}\nAssistant:"),
+    "boxed": "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+}
+
+
+def render_prompt(question: str, template: str = "plain") -> str:
+    """The question wrapped in a template: plain (unchanged), r1 (<think>/<answer> tags) or boxed (\\boxed{})."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; valid: {', '.join(TEMPLATES)}")
+    return TEMPLATES[template].format(question=question)

@@ -1,0 +1,227 @@
+"""tasks.py: generators checked by independent evaluators, countdown checker table, loaders, templates."""
+import json
+import re
+import time
+from fractions import Fraction
+
+import pytest
+
+from tasks import (CHARS, Problem, arithmetic, countdown, countdown_check, countdown_reward, load_gsm8k, load_math,
+                   render_prompt)
+from verify import reward, step_rewards
+
+
+def left_to_right(prompt: str) -> int:
+    """Independent evaluator of an arithmetic prompt: fold the operations strictly left to right."""
+    tokens = re.findall(r"\d+|[-+*]", prompt.rstrip("="))
+    value = int(tokens[0])
+    for op, b in zip(tokens[1::2], map(int, tokens[2::2])):
+        value = value + b if op == "+" else value - b if op == "-" else value * b
+    return value
+
+
+def exact_value(expr: str) -> Fraction:
+    """Independent exact evaluator for trusted, generated expressions (test-only; verify.py never evals)."""
+    return eval(re.sub(r"(\d+)", r"Fraction(\1)", expr), {"Fraction": Fraction})  # noqa: S307
+
+
+# ---------------------------------------------------------------------------------------------------- arithmetic
+def test_arithmetic_pinned_examples():
+    # hand-checked: 3*7=21, 21-25=-4 (strictly left to right)
+    assert arithmetic(0, 0) == Problem("3*7-25=", "-4", "3*7=21;21-25=-4 #### -4", 2)
+    assert arithmetic(0, 2) == Problem("13*4=", "52", "13*4=52 #### 52", 1)
+    assert arithmetic(0, 3) == Problem("7*6+4+2=", "48", "7*6=42;42+4=46;46+2=48 #### 48", 3)
+
+
+def test_arithmetic_thousand_problems_are_consistent():
+    for i in range(1000):
+        p = arithmetic(1, i)
+        assert p.prompt.endswith("=") and set(p.prompt + p.solution) <= set(CHARS)
+        assert int(p.gold) == left_to_right(p.prompt)  # the gold is the left-to-right value
+        steps = step_rewards(p.solution)
+        assert len(steps) == p.level and 1 <= p.level <= 3
+        assert all(ok for _, ok in steps)
+        assert reward(p.solution, p.gold) == 1.0
+
+
+def test_arithmetic_operand_bounds_and_levels():
+    levels = set()
+    for i in range(300):
+        p = arithmetic(2, i, min_ops=2, max_ops=4, max_operand=12, max_mul_operand=3)
+        tokens = re.findall(r"\d+|[-+*]", p.prompt.rstrip("="))
+        assert int(tokens[0]) <= 12
+        for op, b in zip(tokens[1::2], map(int, tokens[2::2])):
+            assert 0 <= b <= (3 if op == "*" else 12)
+        assert p.level == len(tokens) // 2
+        levels.add(p.level)
+    assert levels == {2, 3, 4}  # uniform over [min_ops, max_ops]: all three show up in 300 draws
+
+
+def test_arithmetic_is_independent_of_call_order():
+    forward = [arithmetic(7, i) for i in range(20)]
+    backward = [arithmetic(7, i) for i in reversed(range(20))][::-1]
+    interleaved = []
+    for i in range(20):
+        countdown(7, i), arithmetic(8, i)  # unrelated draws in between change nothing
+        interleaved.append(arithmetic(7, i))
+    assert forward == backward == interleaved
+    assert [arithmetic(7, i) for i in range(20)] != [arithmetic(8, i) for i in range(20)]  # seeds differ
+
+
+# ---------------------------------------------------------------------------------------------------- countdown
+def test_countdown_pinned_example():
+    # hand-checked: 2*1*9 = 18 uses 1, 2, 9 once each
+    assert countdown(0, 0) == Problem("1 2 9>18=", "18", "2*1*9", 2)
+
+
+def test_countdown_thousand_problems_are_solvable():
+    for i in range(1000):
+        p = countdown(1, i)
+        m = re.fullmatch(r"([0-9 ]+)>([0-9]+)=", p.prompt)
+        numbers, target = [int(n) for n in m[1].split()], int(m[2])
+        assert set(p.prompt + p.solution) <= set(CHARS)
+        assert numbers == sorted(numbers) and all(1 <= n <= 25 for n in numbers) and len(numbers) == 3
+        assert sorted(map(int, re.findall(r"\d+", p.solution))) == numbers  # every number exactly once
+        assert exact_value(p.solution) == target > 0 and p.gold == str(target)
+        assert countdown_check(p.solution, numbers, target)
+        assert countdown_reward(p.solution, p) == 1.0
+
+
+def test_countdown_options_and_order():
+    p = countdown(3, 5, n_numbers=5, max_number=9)
+    numbers = [int(n) for n in p.prompt.split(">")[0].split()]
+    assert len(numbers) == 5 and max(numbers) <= 9 and p.level == 4
+    assert [countdown(3, i) for i in (4, 2)] == [countdown(3, 4), countdown(3, 2)]
+
+
+CHECK = [
+    ("25+3*7", [3, 7, 25], 46, True),
+    ("(7*3)+25", [3, 7, 25], 46, True),
+    ("7*3+25", [25, 7, 3], 46, True),
+    ("3*7", [3, 7, 25], 21, True),  # not every number has to be used
+    ("10-3", [3, 10], 7, True),
+    ("(10-3)", [3, 10], 7, True),
+    ("7/2*2", [2, 2, 7], 7, True),  # exact division through a fraction
+    ("8/(3-8/3)", [3, 3, 8, 8], 24, True),
+    (" 25 + 3 * 7 ", [3, 7, 25], 46, True),
+    ("7*3+25+3", [3, 7, 25], 49, False),  # 3 used twice
+    ("7*3+26", [3, 7, 25], 47, False),  # 26 is not given
+    ("37", [3, 7], 37, False),  # no concatenation
+    ("25/(7-7)", [7, 7, 25], 0, False),  # division by zero
+    ("7/2", [2, 7], 3, False),  # 3.5, not 3
+    ("25+3*7", [3, 7, 25], 47, False),  # wrong value
+    ("-3+10", [3, 10], 7, False),  # unary minus
+    ("10*(-3)", [3, 10], -30, False),
+    ("2**3", [2, 3], 8, False),
+    ("x+1", [1], 2, False),
+    ("3 7", [3, 7], 10, False),
+    ("", [1], 1, False),
+    ("(3+7", [3, 7], 10, False),
+    ("1+" * 150 + "1", [1] * 151, 151, False),  # over-long
+]
+
+
+@pytest.mark.parametrize("expr,numbers,target,expected", CHECK)
+def test_countdown_check(expr, numbers, target, expected):
+    assert countdown_check(expr, numbers, target) is expected
+
+
+COUNTDOWN_PROBLEM = Problem(prompt="3 7 25>46=", gold="46", solution="25+3*7", level=2)
+COUNTDOWN_REWARD = [
+    ("25+3*7", 1.0),
+    ("25+3*7\nand some words", 1.0),
+    ("25+3*7=46", 1.0),
+    ("25+3*7<|endoftext|>", 1.0),
+    ("<think>7*3=21</think><answer>(7*3)+25</answer>", 1.0),
+    ("so \\boxed{7*3+25}", 1.0),
+    ("25+3+7", 0.0),
+    ("25+3*7+3", 0.0),
+    ("", 0.0),
+    ("<answer>46</answer>", 0.0),  # the target itself is not an expression over the numbers
+]
+
+
+@pytest.mark.parametrize("completion,expected", COUNTDOWN_REWARD)
+def test_countdown_reward(completion, expected):
+    assert countdown_reward(completion, COUNTDOWN_PROBLEM) == expected
+
+
+def test_countdown_adversarial_is_fast():
+    for text in ("(" * 100_000, "1+" * 50_000, "<answer>" * 12_000, "\\boxed{" * 14_000, "9" * 100_000):
+        start = time.perf_counter()
+        countdown_check(text, [1, 2, 3], 6)
+        countdown_reward(text, COUNTDOWN_PROBLEM)
+        assert time.perf_counter() - start < 1.0
+
+
+def test_chars():
+    assert CHARS == "0123456789+-*/()=;#> " and len(set(CHARS)) == len(CHARS)
+
+
+# ---------------------------------------------------------------------------------------------------- loaders
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_load_gsm8k(tmp_path):
+    path = write_lines(tmp_path / "gsm8k.jsonl", [
+        json.dumps({"question": "Q1?", "answer": "48/2 = <<48/2=24>>24\n#### 72"}),
+        "",
+        "   ",
+        json.dumps({"question": "Q2?", "answer": "Big.\n#### 1,000"}),
+    ])
+    assert load_gsm8k(path) == [
+        Problem("Q1?", "72", "48/2 = <<48/2=24>>24\n#### 72", 0),
+        Problem("Q2?", "1000", "Big.\n#### 1,000", 0),
+    ]
+    assert load_gsm8k(str(path))[1].gold == "1000"
+
+
+def test_load_math(tmp_path):
+    path = write_lines(tmp_path / "math.jsonl", [
+        json.dumps({"problem": "P1", "solution": "So $\\boxed{\\frac{1}{2}}$.", "level": "Level 3"}),
+        json.dumps({"problem": "P2", "solution": "$\\boxed{(1,2)}$"}),
+        json.dumps({"problem": "P3", "solution": "\\boxed{5}", "level": "Level ?"}),
+        json.dumps({"problem": "P4", "solution": "\\boxed{5}", "level": 2}),
+    ])
+    problems = load_math(path)
+    assert [(p.prompt, p.gold, p.level) for p in problems] == [
+        ("P1", "\\frac{1}{2}", 3), ("P2", "(1,2)", 0), ("P3", "5", 0), ("P4", "5", 2)]
+    assert problems[0].solution == "So $\\boxed{\\frac{1}{2}}$."
+
+
+GOOD_GSM8K = json.dumps({"question": "Q", "answer": "#### 1"})
+GOOD_MATH = json.dumps({"problem": "P", "solution": "\\boxed{1}"})
+MALFORMED = [
+    (load_gsm8k, [GOOD_GSM8K, "{not json"], 2, "bad JSON"),
+    (load_gsm8k, [GOOD_GSM8K, "", json.dumps({"question": "Q"})], 3, "missing"),
+    (load_gsm8k, [json.dumps({"question": "Q", "answer": "no marker"})], 1, "no final answer"),
+    (load_gsm8k, [json.dumps({"question": "Q", "answer": "####   "})], 1, "no final answer"),
+    (load_gsm8k, [json.dumps([1, 2])], 1, "JSON object"),
+    (load_gsm8k, [json.dumps({"question": 3, "answer": "#### 1"})], 1, "missing"),
+    (load_math, [GOOD_MATH, GOOD_MATH, "[1,"], 3, "bad JSON"),
+    (load_math, [json.dumps({"solution": "\\boxed{1}"})], 1, "missing"),
+    (load_math, [GOOD_MATH, json.dumps({"problem": "P", "solution": "no box here"})], 2, "no final answer"),
+]
+
+
+@pytest.mark.parametrize("loader,lines,lineno,reason", MALFORMED)
+def test_loaders_reject_malformed_lines(tmp_path, loader, lines, lineno, reason):
+    path = write_lines(tmp_path / "data.jsonl", lines)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:{lineno}:") + ".*" + reason):
+        loader(path)
+
+
+# ---------------------------------------------------------------------------------------------------- templates
+def test_render_prompt():
+    question = "What is {x} + 1?"
+    assert render_prompt(question) == question
+    assert render_prompt(question, "plain") == question
+    r1 = render_prompt(question, "r1")
+    assert question in r1 and "<think>" in r1 and "</answer>" in r1 and r1.endswith("Assistant:")
+    assert r1.index("<think>") < r1.index("<answer>") < r1.index(question)
+    boxed = render_prompt(question, "boxed")
+    assert boxed.startswith(question) and "\\boxed{}" in boxed
+    with pytest.raises(ValueError, match="plain.*r1.*boxed"):
+        render_prompt(question, "chatml")

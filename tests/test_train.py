@@ -1,0 +1,145 @@
+"""train.py: config errors, a few steps of sft then rl, checkpoints, 2-rank equivalence, kill-and-resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f]
+
+
+def deterministic(recs):  # timings differ from run to run; everything else must not
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in recs]
+
+
+def test_config_errors_name_the_key_and_suggest(tmp_path):
+    with pytest.raises(SystemExit, match="unknown config key 'rl_stpes'.*did you mean 'rl_steps'"):
+        train.parse_args(["--rl_stpes=3"])
+    with pytest.raises(SystemExit, match="'lr'.*needs a float.*'fast'"):
+        train.parse_args(["--lr=fast"])
+    with pytest.raises(SystemExit, match="'resume'.*needs a bool"):
+        train.parse_args(["--resume=maybe"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("group_size = 4\nbeta = 'high'\n")
+    with pytest.raises(SystemExit, match=f"'beta' \\({bad}\\)"):
+        train.parse_args(["--config", str(bad)])
+    cfg = train.parse_args(["--config", SMOKE, "--rl_steps=7", "--beta", "0.1", "--resume"])
+    assert (cfg.rl_steps, cfg.beta, cfg.resume, cfg.group_size, cfg.lr) == (7, 0.1, True, 4, train.Config.lr)
+
+
+def test_objective_names_the_paper():
+    assert train.objective(train.Config()).startswith("DAPO")
+    assert train.objective(train.Config(agg="seq_mean_token_mean", eps_high=0.2, beta=0.04)).startswith("GRPO")
+    assert train.objective(train.Config(adv_scale="none", agg="seq_mean_token_sum_norm")).startswith("Dr. GRPO")
+
+
+def test_micro_batches_respect_budget_and_pad():
+    mb = train.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
+    assert mb == [[0, 1], [2], [3, 4, 5]]
+    assert train.micro_batches([5], 12, n_micro=3) == [[0], [], []]
+
+
+@pytest.mark.slow
+def test_smoke_run_sft_then_rl(tmp_path):
+    out = str(tmp_path / "run")
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--ckpt_every=5"])
+    results = train.main(cfg)
+    recs = records(out)
+    steps = [r["step"] for r in recs if "train/loss" in r]
+    assert steps == list(range(1, 11))
+    assert {r["stage"] for r in recs if r["step"] <= 6} == {"sft"} and recs[-1]["stage"] == "rl"
+    rl = [r for r in recs if r["stage"] == "rl" and "train/reward" in r]
+    assert len(rl) == 4 and all(0 <= r["train/reward"] <= 1 for r in rl)
+    evals = [r for r in recs if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [5, 6, 10]  # every 5 steps and at the end of each stage
+    for r in evals:
+        assert all(0 <= r[k] <= 1 for k in ("eval/pass@1", "eval/pass@1_sampled", "eval/maj@4"))
+    assert set(results) == {"sft", "rl"}
+    # checkpoints are Hugging Face folders that our loader (and transformers) read
+    assert sorted(os.listdir(out)) == ["metrics.jsonl", "step_10", "step_5"]
+    m = Transformer.from_pretrained(os.path.join(out, "step_10"))
+    assert m.config.hidden_size == 32 and os.path.exists(os.path.join(out, "step_10", "tokenizer.json"))
+
+
+def run_cli(args, nproc=1, timeout=300):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + [os.path.join(ROOT, "train.py")] + args
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_two_ranks_match_one_rank(tmp_path, agg):
+    """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights."""
+    args = ["--config", SMOKE, f"--agg={agg}", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
+            "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
+            "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
+    run_cli(args + [f"--out_dir={tmp_path / 'one'}"])
+    run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(one) == len(two) and all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
+    for a, b in zip(one, two):
+        for k in a:
+            if k.startswith("train/") and k != "train/grad_norm" or k.startswith("eval/"):
+                assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+    wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "two"))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_exactly(tmp_path):
+    args = ["--config", SMOKE, "--sft_steps=4", "--rl_steps=8", "--ckpt_every=3", "--eval_every=4", "--keep_ckpts=0",
+            "--overlong_buffer=20", "--skip_saturated_k=1", "--train_size=6"]
+    run_cli(args + [f"--out_dir={tmp_path / 'full'}"])
+    out = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py")] + args + [f"--out_dir={out}"],
+                         cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:  # kill once step 7 is logged (checkpoint at step 6)
+        if os.path.exists(out / "step_6") and any(r["step"] >= 7 for r in records(out)):
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert p.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    run_cli(args + [f"--out_dir={out}", "--resume"])
+    assert deterministic(records(out)) == deterministic(records(tmp_path / "full"))
+    a = load_file(tmp_path / "full" / "step_12" / "model.safetensors")
+    b = load_file(out / "step_12" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_steps_skip_then_stop_with_checkpoint_intact(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = train.grpo.sft_loss
+
+    def poisoned(logp, mask, loss_scale=None):  # from the 3rd step on, the loss is NaN
+        calls["n"] += 1
+        loss = real(logp, mask, loss_scale=loss_scale)
+        return loss * float("nan") if calls["n"] > 2 else loss
+    monkeypatch.setattr(train.grpo, "sft_loss", poisoned)
+    out = tmp_path / "nan"
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--ckpt_every=2", "--micro_batch_tokens=100000",
+                            "--max_bad_steps=3", "--sft_steps=8"])
+    with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
+        train.main(cfg)
+    assert train.complete_checkpoints(out) == [2]  # steps 3-5 were skipped, nothing bad was saved
+    m = Transformer.from_pretrained(out / "step_2")
+    assert all(torch.isfinite(p).all() for p in m.parameters())

@@ -39,16 +39,20 @@ class Problem:
 
 
 def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_operand: int = 30,
-               max_mul_operand: int = 9) -> Problem:
-    """A left-to-right arithmetic chain with a step-by-step solution (see step 1 of the module docstring)."""
+               max_mul_operand: int = 9, max_value: int = 0, ops: str = "+-*") -> Problem:
+    """A left-to-right arithmetic chain with a step-by-step solution (see step 1 of the module docstring).
+    max_value > 0 keeps every intermediate result within ±max_value (an op is re-drawn, up to 20 times)."""
     rng = random.Random(f"arithmetic:{seed}:{index}")
     n_ops = rng.randint(min_ops, max_ops)
     value = rng.randint(0, max_operand)
     prompt, steps = str(value), []
     for _ in range(n_ops):
-        op = rng.choice("+-*")
-        b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
-        new = value + b if op == "+" else value - b if op == "-" else value * b
+        for _ in range(20):
+            op = rng.choice(ops)
+            b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
+            new = value + b if op == "+" else value - b if op == "-" else value * b
+            if not max_value or abs(new) <= max_value:
+                break
         steps.append(f"{value}{op}{b}={new}")
         prompt, value = prompt + f"{op}{b}", new
     return Problem(prompt=prompt + "=", gold=str(value), solution=";".join(steps) + f" #### {value}", level=n_ops)

@@ -35,7 +35,7 @@ import grpo
 import tasks
 import verify
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
-from rollout import generate
+from rollout import filter_logits, generate
 
 
 # ================================================================================================== config
@@ -65,11 +65,14 @@ class Config:
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
     sft_min_ops: int = 1                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 2
+    sft_direct_frac: float = 0.0        # synthetic: share of cold-start demos that give only "#### N", no steps
     rl_min_ops: int = 1                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 3
     eval_min_ops: int = 1
     eval_max_ops: int = 3
     max_operand: int = 30
+    max_value: int = 0                  # synthetic: bound on every intermediate result (0: none)
+    ops: str = "+-*"                    # synthetic: the operators a problem draws from
     # --- supervised cold start (DeepSeek-R1 §2.3.1)
     sft_steps: int = 300
     sft_batch_size: int = 64
@@ -83,7 +86,7 @@ class Config:
     top_k: int = 0
     top_p: float = 1.0
     # --- RL objective: each GRPO / DAPO / Dr. GRPO difference is one flag
-    algo: str = "grpo"                  # grpo (policy gradient; covers DAPO, Dr. GRPO)
+    algo: str = "grpo"                  # grpo (policy gradient; covers DAPO, Dr. GRPO), star | rft (star.py)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3: no std division)
     agg: str = "token_mean"             # seq_mean_token_mean (GRPO), token_mean (DAPO §3.3), seq_mean_token_sum_norm (Dr. GRPO)
     eps_low: float = 0.2                # PPO clip ε (DeepSeekMath eq. 3)
@@ -98,6 +101,15 @@ class Config:
     format_weight: float = 0.0          # reward += weight · format_reward (R1 template)
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
     micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation memory
+    # --- expert iteration, algo = star | rft (star.py): sample, keep what the verifier accepts, fine-tune
+    expert_iters: int = 3               # STaR §3.1 Alg. 1: outer loops of sample → filter → fine-tune
+    expert_samples: int = 8             # k samples per training problem (R1 §2.3.3 rejection sampling)
+    expert_max_per_problem: int = 0     # at most m kept (deduplicated) samples per problem, 0: all (R1 §2.3.3)
+    expert_sft_steps: int = 100         # fine-tune steps per iteration (STaR §4: 40 at first, +20% per iteration)
+    expert_lr: float = 1e-3             # fine-tune learning rate (STaR §4: constant, the same every iteration)
+    expert_from_base: bool = True       # STaR §3.1: fine-tune the cold-start model each iteration (star only)
+    rationalize: bool = True            # STaR §3.2: retry unsolved problems with the answer as a hint (star only)
+    hint_sft_frac: float = 0.0          # STaR §3.2 (hinted few-shot examples): share of hinted cold-start prompts
     # --- optimizer (AdamW, Loshchilov & Hutter 2019)
     lr: float = 5e-5
     warmup_steps: int = 10
@@ -124,6 +136,8 @@ def parse_args(argv) -> Config:
     while i < len(argv):
         arg = argv[i]
         if arg == "--config":
+            if i + 1 == len(argv) or not os.path.exists(argv[i + 1]):
+                raise SystemExit(f"error: --config needs an existing TOML file, got {argv[i + 1:i + 2]}")
             with open(argv[i + 1], "rb") as f:
                 values.update((k, (v, argv[i + 1])) for k, v in tomllib.load(f).items())
             i += 2
@@ -143,7 +157,14 @@ def parse_args(argv) -> Config:
             near = difflib.get_close_matches(key, fields, n=1)
             raise SystemExit(f"error: unknown config key {key!r} ({where})" + (f"; did you mean {near[0]!r}?" if near else ""))
         kw[key] = coerce(key, val, type(getattr(Config, key)), where)
+        if key in CHOICES and kw[key] not in CHOICES[key]:
+            raise SystemExit(f"error: config key {key!r} ({where}) is {kw[key]!r}; choose one of {CHOICES[key]}")
     return Config(**kw)
+
+
+CHOICES = {"task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
+           "algo": ("grpo", "star", "rft"), "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS,
+           "lr_schedule": ("cosine", "constant"), "wandb_mode": ("auto", "online", "offline", "disabled")}
 
 
 def coerce(key, val, typ, where):
@@ -205,7 +226,7 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-def row_seeds(*keys) -> int:
+def seed_of(*keys) -> int:
     """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any rank count."""
     h = 0x9E3779B97F4A7C15
     for k in keys:  # splitmix64 over the keys
@@ -237,7 +258,8 @@ class Task:
     def synthetic(self, seed, i, lo, hi):
         if self.cfg.task == "countdown":
             return tasks.countdown(seed, i)
-        return tasks.arithmetic(seed, i, min_ops=lo, max_ops=hi, max_operand=self.cfg.max_operand)
+        return tasks.arithmetic(seed, i, min_ops=lo, max_ops=hi, max_operand=self.cfg.max_operand,
+                               max_value=self.cfg.max_value, ops=self.cfg.ops)
 
     def problem(self, stage: str, k: int) -> tuple[int, tasks.Problem]:
         """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts never appear."""
@@ -245,16 +267,21 @@ class Task:
         if cfg.task in ("gsm8k", "math"):
             epoch, j = divmod(k, len(self.train))
             order = list(range(len(self.train)))
-            random.Random(row_seeds(cfg.seed, epoch)).shuffle(order)
+            random.Random(seed_of(cfg.seed, epoch)).shuffle(order)
             return order[j], self.train[order[j]]
         lo, hi = (cfg.sft_min_ops, cfg.sft_max_ops) if stage == "sft" else (cfg.rl_min_ops, cfg.rl_max_ops)
-        seed = row_seeds(cfg.seed, stage == "sft")
+        seed = seed_of(cfg.seed, stage == "sft")
         pid = k % cfg.train_size if cfg.train_size else k
         p = self.synthetic(seed, pid, lo, hi)
         while p.prompt in self.heldout_prompts:  # deterministic re-draw keeps the held-out set unseen
             pid += 1 << 40
             p = self.synthetic(seed, pid, lo, hi)
         return pid, p
+
+    def demo(self, k: int, p: tasks.Problem) -> str:
+        """The k-th cold-start target: the worked solution, or (a seeded sft_direct_frac share) the bare answer."""
+        direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
+        return f"#### {p.gold}" if direct else p.solution
 
     def prompt_ids(self, p: tasks.Problem) -> list[int]:
         return self.tok.encode(tasks.render_prompt(p.prompt, self.cfg.template)).ids
@@ -274,17 +301,21 @@ def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
     return torch.tensor([list(s) + [pad] * (T - len(s)) for s in seqs], dtype=dtype).view(len(seqs), T)
 
 
-def completion_logprobs(model, prompts: list[list[int]], comp: torch.Tensor, temperature: float, device):
-    """log π(o_t | q, o_<t) of each completion token [n, L], scored as the sampler sampled: logits / T.
-    Rows are prompt + completion right-padded, so the plain causal path runs with no mask at all."""
+def completion_logprobs(model, prompts: list[list[int]], comp: torch.Tensor, cfg: Config, device, temperature=None):
+    """log π(o_t | q, o_<t) of each completion token [n, L], scored under the distribution the sampler drew from
+    (logits / T, and top-k / top-p when set). Rows are prompt + completion right-padded, so the plain causal path
+    runs with no mask at all."""
     n, L = comp.shape
     plen = torch.tensor([len(p) for p in prompts], device=device)
     seqs = pad_batch([p + c for p, c in zip(prompts, comp.tolist())]).to(device)   # [n, T]
     logits = model(seqs[:, :-1]).float()                                           # [n, T-1, V]
-    if temperature > 0:
-        logits = logits / temperature
+    T = cfg.temperature if temperature is None else temperature
     pos = (plen[:, None] - 1 + torch.arange(L, device=device)).clamp(max=seqs.shape[1] - 2)  # [n, L]
     logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))     # [n, L, V]
+    if cfg.top_k or cfg.top_p < 1:  # a truncated, renormalised distribution: score exactly that one
+        logits = filter_logits(logits, T, cfg.top_k, cfg.top_p)
+    elif T > 0:
+        logits = logits / T
     with torch.no_grad():
         ent = grpo.token_entropy(logits)                                           # [n, L], for logging
     return grpo.token_logprobs(logits, comp.to(device)), ent
@@ -378,22 +409,22 @@ class Trainer:
         """Sample G completions for this rank's share of `problems` (whole groups); gather every rank's groups,
         in the global order, as dicts. Per-row seeds come from (seed_keys, problem position, sample index)."""
         mine = list(range(self.rank, len(problems), self.world))
+        prompts = [self.task.prompt_ids(problems[j][1]) for j in mine]
+        seeds = torch.tensor([seed_of(*seed_keys, j, g) for j in mine for g in range(G)])
+        ro = self.gathered(self.model, lambda: mine and generate(  # every rank gathers, even one with no prompts
+            self.model, prompts, G, max_new_tokens, temperature=temperature, top_k=self.cfg.top_k,
+            top_p=self.cfg.top_p, stop_ids=self.task.stop_ids, seed=seeds))
         out = []
         if mine:
-            prompts = [self.task.prompt_ids(problems[j][1]) for j in mine]
-            seeds = torch.tensor([row_seeds(*seed_keys, j, g) for j in mine for g in range(G)])
-            ro = self.gathered(self.model, lambda: generate(
-                self.model, prompts, G, max_new_tokens, temperature=temperature, top_k=self.cfg.top_k,
-                top_p=self.cfg.top_p, stop_ids=self.task.stop_ids, seed=seeds))
             ids, mask, lp = ro.completion_ids.cpu(), ro.completion_mask.cpu(), ro.logprobs.float().cpu()
-            for a, j in enumerate(mine):
-                rows = range(a * G, (a + 1) * G)
-                comps = [ids[r][mask[r]].tolist() for r in rows]
-                texts = [self.task.text(c) for c in comps]
-                out.append(dict(pos=j, pid=problems[j][0], problem=problems[j][1], prompt=prompts[a], comps=comps,
-                                texts=texts, logprobs=[lp[r][mask[r]] for r in rows],
-                                truncated=[bool(ro.truncated[r]) for r in rows],
-                                correct=[self.task.score(t, problems[j][1]) for t in texts]))
+        for a, j in enumerate(mine):
+            rows = range(a * G, (a + 1) * G)
+            comps = [ids[r][mask[r]].tolist() for r in rows]
+            texts = [self.task.text(c) for c in comps]
+            out.append(dict(pos=j, pid=problems[j][0], problem=problems[j][1], prompt=prompts[a], comps=comps,
+                            texts=texts, logprobs=[lp[r][mask[r]] for r in rows],
+                            truncated=[bool(ro.truncated[r]) for r in rows],
+                            correct=[self.task.score(t, problems[j][1]) for t in texts]))
         return sorted(all_gather_list(out), key=lambda g: g["pos"])
 
     def rewards(self, g) -> list[float]:
@@ -458,7 +489,8 @@ class Trainer:
             dummy = not rows  # an empty pass keeps collectives in step: one pad token, zero weight
             ps, cs = ([[0]], [[0]]) if dummy else ([prompts[i] for i in rows], [comps[i] for i in rows])
             comp = pad_batch(cs).to(self.device)
-            logp, ent = completion_logprobs(self.model, ps, comp, temperature, self.device)
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.device.type == "cuda"):
+                logp, ent = completion_logprobs(self.model, ps, comp, self.cfg, self.device, temperature)
             loss, met = loss_fn(rows, logp, ent)
             (loss * self.world * (0.0 if dummy else 1.0)).backward()  # FSDP averages over ranks: undo it
             for k, v in met.items():
@@ -477,10 +509,12 @@ class Trainer:
     def sft_step(self, step, opt, sched):
         """Cold start: token-mean NLL of the worked solution (+ eos) given the prompt."""
         B = self.cfg.sft_batch_size
-        probs = [self.task.problem("sft", self.sft_cursor + i)[1] for i in range(B)][self.rank::self.world]
+        ks = list(range(self.sft_cursor, self.sft_cursor + B))[self.rank::self.world]
+        probs = [self.task.problem("sft", k)[1] for k in ks]
         self.sft_cursor += B
         prompts = [self.task.prompt_ids(p) for p in probs]
-        comps = [self.tok.encode(p.solution, add_special_tokens=False).ids + self.task.stop_ids[:1] for p in probs]
+        comps = [self.tok.encode(self.task.demo(k, p), add_special_tokens=False).ids + self.task.stop_ids[:1]
+                 for k, p in zip(ks, probs)]
         norm = all_sum(torch.tensor(float(sum(map(len, comps))), device=self.device))
 
         def loss_fn(rows, logp, ent):
@@ -519,7 +553,7 @@ class Trainer:
                 if cfg.beta > 0:
                     with torch.no_grad():
                         ref = completion_logprobs(self.ref, [prompts[i] for i in rows], pad_batch(
-                            [comps[i] for i in rows]), cfg.temperature, dev)[0]
+                            [comps[i] for i in rows]), cfg, dev)[0]
                 loss, met = grpo.policy_loss(logp, logp.detach() if old is None else old[r, :Lm], adv[r], m, cfg.eps_low,
                                              cfg.eps_high, ref, cfg.beta, cfg.agg, cfg.max_new_tokens, loss_scale=norm)
                 if epoch == 0:  # sampler vs trainer on the same tokens: catches a mismatched scoring rule
@@ -546,7 +580,7 @@ class Trainer:
         out = torch.zeros(len(comps), max(map(len, comps), default=1), device=self.device)
         for rows in micro_batches([len(p) + len(c) for p, c in zip(prompts, comps)], self.cfg.micro_batch_tokens):
             lp = completion_logprobs(self.model, [prompts[i] for i in rows], pad_batch([comps[i] for i in rows]),
-                                     self.cfg.temperature, self.device)[0]
+                                     self.cfg, self.device)[0]
             out[rows[0]:rows[-1] + 1, :lp.shape[1]] = lp
         return out
 
@@ -616,7 +650,7 @@ class Trainer:
         if mode != "disabled":
             import wandb
             if mode == "auto":
-                mode = "online" if (os.environ.get("WANDB_API_KEY") or wandb.api.api_key) else "offline"
+                mode = "online" if wandb.login(prompt=False) else "offline"  # True only with stored credentials
             self.wandb = wandb
             wandb.init(project=self.cfg.wandb_project, dir=self.cfg.out_dir, mode=mode,
                        config=dataclasses.asdict(self.cfg), name=os.path.basename(os.path.abspath(self.cfg.out_dir)))
@@ -682,6 +716,9 @@ def complete_checkpoints(out_dir: str) -> list[int]:
 
 # ================================================================================================== loop
 def main(cfg: Config) -> dict:
+    if cfg.algo in ("star", "rft"):  # expert iteration: STaR / rejection-sampling fine-tuning
+        import star
+        return star.main(cfg)
     tr = Trainer.__new__(Trainer)
     latest = max(complete_checkpoints(cfg.out_dir), default=0) if cfg.resume else 0
     if latest:  # resume: weights from the checkpoint folder, the rest from its trainer_state.pt

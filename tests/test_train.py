@@ -34,6 +34,10 @@ def test_config_errors_name_the_key_and_suggest(tmp_path):
         train.parse_args(["--lr=fast"])
     with pytest.raises(SystemExit, match="'resume'.*needs a bool"):
         train.parse_args(["--resume=maybe"])
+    with pytest.raises(SystemExit, match="'agg'.*'token_sum'.*choose one of"):
+        train.parse_args(["--agg=token_sum"])
+    with pytest.raises(SystemExit, match="--config needs an existing TOML file"):
+        train.parse_args(["--config", str(tmp_path / "missing.toml")])
     bad = tmp_path / "bad.toml"
     bad.write_text("group_size = 4\nbeta = 'high'\n")
     with pytest.raises(SystemExit, match=f"'beta' \\({bad}\\)"):
@@ -107,7 +111,7 @@ def test_two_ranks_match_one_rank(tmp_path, agg):
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tmp_path):
     args = ["--config", SMOKE, "--sft_steps=4", "--rl_steps=8", "--ckpt_every=3", "--eval_every=4", "--keep_ckpts=0",
-            "--overlong_buffer=20", "--skip_saturated_k=1", "--train_size=6"]
+            "--overlong_buffer=20", "--train_size=6"]
     run_cli(args + [f"--out_dir={tmp_path / 'full'}"])
     out = tmp_path / "killed"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py")] + args + [f"--out_dir={out}"],
@@ -143,3 +147,55 @@ def test_non_finite_steps_skip_then_stop_with_checkpoint_intact(tmp_path, monkey
     assert train.complete_checkpoints(out) == [2]  # steps 3-5 were skipped, nothing bad was saved
     m = Transformer.from_pretrained(out / "step_2")
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def fake_trainer(monkeypatch, outcomes, **kw):
+    """A smoke-sized Trainer whose rollouts return `outcomes(pid)` (a list of G 0/1 rewards) per problem, and
+    which records the problem ids it was asked to sample."""
+    cfg = train.parse_args(["--config", SMOKE] + [f"--{k}={v}" for k, v in kw.items()])
+    tr = train.Trainer(cfg)
+    tr.cursor, tr.memory, tr.asked = 0, {}, []
+
+    def rollouts(problems, G, temperature, seed_keys, max_new_tokens):
+        tr.asked.append([pid for pid, _ in problems])
+        return [dict(pos=j, pid=pid, problem=p, prompt=[1], comps=[[3]] * G, texts=["x"] * G, truncated=[False] * G,
+                     logprobs=[torch.zeros(1)] * G, correct=list(map(float, outcomes(pid)))) for j, (pid, p) in
+                enumerate(problems)]
+    monkeypatch.setattr(tr, "rollouts", rollouts)
+    return tr
+
+
+def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch):
+    # even problem ids are informative (1 of 4 right), odd ids are all wrong: half of each draw is kept
+    tr = fake_trainer(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],
+                      prompts_per_step=4, max_sample_tries=4)
+    kept, stats = tr.collect(step=1)
+    assert len(kept) == 4 and all(g["pid"] % 2 == 0 for g in kept)
+    # try 1 draws 4 (keeps 2, rate 1/2); try 2 draws ceil(2 / 0.5) = 4 more and keeps 2: done
+    assert [len(a) for a in tr.asked] == [4, 4] and stats["train/sample_tries"] == 2
+    assert stats["train/discarded_rollouts"] == 4 * 4  # the 4 all-wrong groups of G = 4
+    assert stats["train/kept_groups_frac"] == 0.5
+
+
+def test_dynamic_sampling_gives_up_at_the_cap(monkeypatch):
+    tr = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, max_sample_tries=3)
+    kept, stats = tr.collect(step=1)
+    assert kept == [] and stats["train/sample_tries"] == 3 and len(tr.asked) == 3
+    assert [len(a) for a in tr.asked] == [4, 16, 16]  # refills grow to the cap of 4·P per try
+    without = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, dynamic_sampling=False)
+    kept, stats = without.collect(step=1)
+    assert len(kept) == 4 and stats["train/sample_tries"] == 1  # plain GRPO trains on whatever it drew
+
+
+def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
+    # 3 training problems cycled; problem 0 is always solved by every sample, the others are mixed
+    tr = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1] if pid == 0 else [1, 0, 1, 0],
+                      prompts_per_step=3, train_size=3, skip_saturated_k=2, dynamic_sampling=False)
+    seen = []
+    for step in range(4):
+        tr.collect(step)
+        seen.append(tr.asked[-1])
+    # visits 1 and 2 of problem 0 are saturated, so from its 3rd turn on it is skipped before any sampling
+    assert seen[0] == [0, 1, 2] and seen[1] == [0, 1, 2] and 0 not in seen[2] + seen[3]
+    _, stats = tr.collect(5)
+    assert stats["train/skip_rate"] > 0

@@ -120,6 +120,12 @@ def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
     return inv
 
 
+def rope_cos_sin(cfg: ModelConfig, n: int, device, dtype=torch.float32):
+    """cos, sin [n, D] of the angles p·θ_i at positions p < n (computed in float32, then cast to dtype)."""
+    ang = (torch.arange(n, device=device, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, device)).repeat(1, 2)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
 def apply_rope(x, cos, sin):
     """x [B, H, T, D], cos/sin [B, 1, T, D]: rotate each (x_i, x_{i+D/2}) pair by its angle."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -132,6 +138,8 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # normalise in float32, as Hugging Face does, then scale in the input dtype
+        if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -148,6 +156,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, layer):
         B, T, _ = x.shape
+        if cache is not None and T == 1:
+            return self.decode(x, cos, sin, mask, cache, layer)
         q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)       # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)     # [B, H_kv, T, D]
         v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)
@@ -157,6 +167,19 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.Hkv != self.H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
+
+    def decode(self, x, cos, sin, bias, cache, layer):
+        """One new token per row: x [B, 1, C], cos/sin [B, 1, D], bias [B·H_kv, 1, S] (0, or −inf on pads). With one
+        query per row SDPA's CPU kernel is slower than two batched matmuls over each K/V head's group of queries."""
+        B, Hkv, D, n = x.shape[0], self.Hkv, self.D, cache.n
+        q = apply_rope(self.q_proj(x).view(B, self.H, D), cos, sin)                  # [B, H, D]
+        cache.k[layer, :, :, n] = apply_rope(self.k_proj(x).view(B, Hkv, D), cos, sin)
+        cache.v[layer, :, :, n] = self.v_proj(x).view(B, Hkv, D)
+        k = cache.k[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)                 # [B·H_kv, S, D], a view
+        v = cache.v[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)
+        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), k.transpose(1, 2), alpha=D ** -0.5)
+        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(v.dtype), v)           # [B·H_kv, H/H_kv, D]
+        return self.o_proj(y.view(B, 1, self.H * D))
 
 
 class MLP(nn.Module):
@@ -186,7 +209,8 @@ class Block(nn.Module):
 class KVCache:
     """Preallocated keys/values, [B, H_kv, max_len, D] per layer, filled left to right at one shared slot counter
     `n` (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
-    first real slot. Allocated once per rollout and passed into forward; never a buffer on the module."""
+    first real slot. Allocated once per rollout and passed into forward; never a buffer on the module. Also holds
+    what decode steps would rebuild: RoPE cos/sin per position, and an attention bias per row and slot (−inf: pad)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
@@ -194,6 +218,9 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
         self.n = 0
+        self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
+        pad = torch.arange(max_len, device=device)[None] < self.start[:, None]
+        self.bias = torch.zeros(batch, max_len, device=device, dtype=dtype).masked_fill_(pad, float("-inf"))
 
     def write(self, layer, k, v):
         T = k.shape[2]
@@ -207,6 +234,7 @@ class KVCache:
         new = KVCache.__new__(KVCache)
         new.k, new.v = self.k[:, rows], self.v[:, rows]
         new.start, new.n = self.start[rows], self.n
+        new.cos, new.sin, new.bias = self.cos, self.sin, self.bias[rows]
         return new
 
 
@@ -239,19 +267,24 @@ class Transformer(nn.Module):
             start = cache.start
         if n0 + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        slots = torch.arange(n0, n0 + T, device=idx.device)                           # [T]
-        pos = slots[None] if start is None else (slots[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
-        ang = pos[..., None].float() * rope_inv_freq(self.config, idx.device)          # [B, T, D/2]
-        ang = torch.cat((ang, ang), dim=-1)[:, None]                                   # [B, 1, T, D]
         h = self.model.embed_tokens(idx)
-        cos, sin = ang.cos().to(h.dtype), ang.sin().to(h.dtype)
-        mask = None  # plain causal, the fast path for unpadded training batches
-        if cache is not None or start is not None:
-            keys = torch.arange(n0 + T, device=idx.device)                             # [S]
-            st = torch.zeros(B, dtype=torch.long, device=idx.device) if start is None else start
-            mask = (keys[None, :] <= slots[:, None])[None] & (  # causal, and no pad keys except oneself
-                (keys[None, None, :] >= st[:, None, None]) | (keys[None, :] == slots[:, None])[None])
-            mask = mask[:, None]                                                       # [B, 1, T, S]
+        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask come from the cache's tables
+            pos = (n0 - start).clamp_(min=0)[:, None]                                    # [B, 1]
+            cos, sin = cache.cos[pos], cache.sin[pos]                                    # [B, 1, D]
+            mask = torch.cat((cache.bias[:, :n0], cache.bias.new_zeros(B, 1)), 1)       # a row always sees itself
+            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, S] bias
+        else:
+            slots = torch.arange(n0, n0 + T, device=idx.device)                       # [T]
+            cos, sin = rope_cos_sin(self.config, T, idx.device, h.dtype) if cache is None else (cache.cos, cache.sin)
+            pos = slots[None] if start is None else (slots[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
+            cos, sin = cos[pos][:, None], sin[pos][:, None]                            # [B or 1, 1, T, D]
+            mask = None  # plain causal, the fast path for unpadded training batches
+            if cache is not None or start is not None:
+                keys = torch.arange(n0 + T, device=idx.device)                         # [S]
+                st = torch.zeros(B, dtype=torch.long, device=idx.device) if start is None else start
+                mask = (keys[None, :] <= slots[:, None])[None] & (  # causal, and no pad keys except oneself
+                    (keys[None, None, :] >= st[:, None, None]) | (keys[None, :] == slots[:, None])[None])
+                mask = mask[:, None]                                                   # [B, 1, T, S]
         for i, block in enumerate(self.model.layers):
             h = block(h, cos, sin, mask, cache, i)
         if cache is not None:

@@ -182,6 +182,7 @@ def main(cfg: Config) -> dict:
     n_pool = cfg.train_size if cfg.train_size > 0 else len(tr.task.train)
     pool = [tr.task.problem("rl", i) for i in range(n_pool)]
     # ---------------------------------------------------------------------------- steps 1-4: iterations
+    t_start = time.time()
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
         data, stats = collect(tr, pool, it)
@@ -205,6 +206,8 @@ def main(cfg: Config) -> dict:
         tr.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
                              "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
         tr.save(step, stage, opt, sched)
+        if cfg.rl_minutes and time.time() - t_start > 60 * cfg.rl_minutes:  # same wall-clock as an RL run
+            break
     if tr.rank == 0:
         summary(results)
         tr.log_file.close()

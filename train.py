@@ -63,25 +63,26 @@ class Config:
     eval_file: str = ""
     template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
-    sft_min_ops: int = 1                # synthetic difficulty of the SFT demonstrations
-    sft_max_ops: int = 2
-    sft_direct_frac: float = 0.0        # synthetic: share of cold-start demos that give only "#### N", no steps
-    rl_min_ops: int = 1                 # synthetic difficulty of the RL prompts
-    rl_max_ops: int = 3
-    eval_min_ops: int = 1
-    eval_max_ops: int = 3
-    max_operand: int = 30
+    sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
+    sft_max_ops: int = 4
+    sft_direct_frac: float = 0.5        # synthetic: share of cold-start demos that give only "#### N", no steps
+    rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
+    rl_max_ops: int = 4
+    eval_min_ops: int = 2
+    eval_max_ops: int = 4
+    max_operand: int = 9                # synthetic: operands in 0..max_operand
     max_value: int = 0                  # synthetic: bound on every intermediate result (0: none)
-    ops: str = "+-*"                    # synthetic: the operators a problem draws from
+    ops: str = "+-"                     # synthetic: the operators a problem draws from
     # --- supervised cold start (DeepSeek-R1 §2.3.1)
-    sft_steps: int = 300
+    sft_steps: int = 800
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     # --- RL sampling
-    rl_steps: int = 200
+    rl_steps: int = 300
+    rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
-    max_new_tokens: int = 48
+    max_new_tokens: int = 56
     temperature: float = 1.0            # sampling and scoring temperature (the trainer scores logits / T)
     top_k: int = 0
     top_p: float = 1.0
@@ -111,7 +112,7 @@ class Config:
     rationalize: bool = True            # STaR §3.2: retry unsolved problems with the answer as a hint (star only)
     hint_sft_frac: float = 0.0          # STaR §3.2 (hinted few-shot examples): share of hinted cold-start prompts
     # --- optimizer (AdamW, Loshchilov & Hutter 2019)
-    lr: float = 5e-5
+    lr: float = 1e-4
     warmup_steps: int = 10
     lr_schedule: str = "cosine"         # cosine (to min_lr_ratio · lr) or constant
     min_lr_ratio: float = 0.1
@@ -121,7 +122,7 @@ class Config:
     grad_clip: float = 1.0
     max_bad_steps: int = 3              # consecutive non-finite steps before the run stops
     # --- evaluation and checkpoints
-    eval_every: int = 50
+    eval_every: int = 100
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
     eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
@@ -734,11 +735,11 @@ def main(cfg: Config) -> dict:
     if tr.rank == 0:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in tr.model.parameters()) * tr.world:,} "
               f"parameters, world size {tr.world}, device {tr.device}\nobjective: {objective(cfg)}", flush=True)
-    total, opt, stage, results = cfg.sft_steps + cfg.rl_steps, None, None, {}
+    total, opt, stage, results, rl_t0 = cfg.sft_steps + cfg.rl_steps, None, None, {}, time.time()
     for step in range(latest + 1, total + 1):
         new_stage = "sft" if step <= cfg.sft_steps else "rl"
         if new_stage != stage:  # each stage starts a fresh AdamW and LR schedule
-            stage = new_stage
+            stage, rl_t0 = new_stage, time.time()
             n = cfg.sft_steps if stage == "sft" else cfg.rl_steps
             opt, sched = tr.make_optimizer(cfg.sft_lr if stage == "sft" else cfg.lr, n)
             if latest and state["stage"] == stage and latest < total and step == latest + 1 and latest != cfg.sft_steps:
@@ -762,6 +763,9 @@ def main(cfg: Config) -> dict:
         tr.log(step, stage, rec)
         if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and (step - cfg.sft_steps) % cfg.ref_update_every == 0:
             tr.ref = tr.make_ref()
+        out_of_time = stage == "rl" and cfg.rl_minutes > 0 and all_sum(  # any rank's clock stops every rank
+            torch.tensor(float(time.time() - rl_t0 > 60 * cfg.rl_minutes), device=tr.device)) > 0
+        total = step if out_of_time else total
         end_of_stage = step in (cfg.sft_steps, total)
         if step % cfg.eval_every == 0 or end_of_stage:
             ev = tr.evaluate(step, stage)

@@ -1,0 +1,161 @@
+"""Sampling throughput (generated tokens/s) of rollout.generate, side by side on the same weights with
+  1. a naive loop that recomputes the whole sequence every step (no KV cache),
+  2. Hugging Face transformers' generate (only if transformers is importable; the project does not need it),
+  3. the matmul-only bound of a decode step: N rows times every weight matrix of every layer plus the LM head,
+     as plain F.linear calls on preallocated inputs, in a loop. ours / bound is the fraction of it we reach.
+Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling
+(T = 1, no top-k / top-p). Each number is the best of --repeats runs, since other processes share the cores.
+Settings are P×G×new-tokens; the first one is compared against all three, the others time ours alone (they show
+that cost follows generated tokens, not G × prompt length: a prompt is prefilled once per group).
+
+Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so the LM head weighs like a real one:
+  2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
+  20m: hidden 384, 12 layers, 6 heads / 2 KV heads of 64, FFN 1024  20.4M parameters
+
+  python bench.py --size 2m                 python bench.py --size 20m --repeats 2
+  python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
+"""
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from model import ModelConfig, Transformer
+from rollout import generate
+
+PRESETS = {
+    "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
+    "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
+}
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("--size", default="2m", choices=sorted(PRESETS))
+p.add_argument("--ckpt", default="", help="a Hugging Face folder to load instead of a preset")
+p.add_argument("--settings", default="8x8x128,4x16x128,64x1x128", help="comma-separated P x G x new tokens")
+p.add_argument("--prompt_len", type=int, default=32)
+p.add_argument("--naive_tokens", type=int, default=16, help="the naive loop runs only this many steps")
+p.add_argument("--repeats", type=int, default=3)
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
+args = p.parse_args()
+torch.set_num_threads(args.threads)
+dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_time(fn, repeats):  # fastest of `repeats` runs after one warm-up: noise from other processes only adds
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# -------------------------------------------------------------------------------------------------- model
+if args.ckpt:
+    model = Transformer.from_pretrained(args.ckpt, device=dev, dtype=dtype).eval()
+else:
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size])
+    model = Transformer(cfg).to(dev, dtype).eval()
+cfg = model.config
+n_params = sum(t.numel() for t in model.parameters())
+settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
+gen = torch.Generator().manual_seed(0)
+S = args.prompt_len
+results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
+           "threads": args.threads, "prompt_len": S}
+rows = []  # (label, greedy tok/s, sampling tok/s)
+
+# ---------------------------------------------------------------------------------------------------- ours
+for P, G, new in settings:
+    prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
+    tps = []
+    for T in (0.0, 1.0):
+        t = best_time(lambda: generate(model, prompts, G, new, temperature=T, seed=0), args.repeats)
+        tps.append(P * G * new / t)
+    rows.append((f"ours {P}x{G}x{new}", *tps))
+    results[f"ours_{P}x{G}x{new}"] = {"greedy": tps[0], "sampling": tps[1]}
+P, G, new = settings[0]
+N = P * G
+torch.manual_seed(1)
+prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
+
+
+# --------------------------------------------------------------------------------------- naive, no cache
+@torch.no_grad()
+def naive(T):
+    seq = prompt_ids.repeat_interleave(G, 0)                                   # [N, S]
+    for _ in range(args.naive_tokens):
+        logits = model(seq)[:, -1].float()                                       # the whole sequence, every step
+        tok = logits.argmax(-1) if T == 0 else torch.multinomial(logits.softmax(-1), 1)[:, 0]
+        seq = torch.cat((seq, tok[:, None]), 1)
+
+
+nv = [N * args.naive_tokens / best_time(lambda: naive(T), 1) for T in (0.0, 1.0)]
+rows.append((f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
+results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
+
+# ------------------------------------------------------------------------------------------ transformers
+try:
+    if args.no_hf:
+        raise ImportError
+    import transformers
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(dev).eval()
+    hf.generation_config.eos_token_id = None  # every row generates all `new` tokens
+
+    def hf_run(sample):
+        kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) if sample else dict(do_sample=False)
+        ids = prompt_ids.repeat_interleave(G, 0)  # greedy refuses num_return_sequences; it would repeat too
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          pad_token_id=0, **kw)
+        assert out.shape == (N, S + new), out.shape
+
+    hft = [N * new / best_time(lambda: hf_run(s), args.repeats) for s in (False, True)]
+    rows.append((f"transformers {transformers.__version__}", *hft))
+    results["transformers"] = {"greedy": hft[0], "sampling": hft[1]}
+except ImportError:
+    hft = None
+
+# ----------------------------------------------------------------------------------- matmul-only bound
+linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+mats = [(m.weight, m.bias) for m in linears] + ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
+xs = [torch.randn(N, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
+
+
+@torch.no_grad()
+def matmuls(steps=20):
+    for _ in range(steps):
+        for x, (w, b) in zip(xs, mats):
+            F.linear(x, w, b)
+
+
+bound = N * 20 / best_time(matmuls, max(args.repeats, 5))
+rows.append(("matmul-only bound", bound, bound))
+results["matmul_bound"] = bound
+
+# ---------------------------------------------------------------------------------------------- report
+ours = results[f"ours_{P}x{G}x{new}"]
+print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.device}, {args.threads} threads, "
+      f"{S}-token prompts, best of {args.repeats}")
+print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}")
+for label, a, b in rows:
+    print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}")
+if hft:
+    print(f"{'ours / transformers':<44}{ours['greedy'] / hft[0]:>13.2f}x{ours['sampling'] / hft[1]:>15.2f}x")
+print(f"{'ours / matmul-only bound':<44}{ours['greedy'] / bound:>14.2f}{ours['sampling'] / bound:>16.2f}")
+print(json.dumps(results))

@@ -1,0 +1,227 @@
+"""Batched, KV-cached sampling of G completions for each of P prompts: the rollout half of GRPO.
+
+N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
+  1. Left-pad the P distinct prompts to S tokens and prefill them once into a KVCache (start = pad counts),
+     keeping the last position's logits [P, V].
+  2. Repeat each prompt's cache rows and logits G times (cache.index_rows(arange(P).repeat_interleave(G))):
+     a prompt is prefilled once per group, never once per sample.
+  3. Each step, turn logits into the sampling distribution z = filter(logits / T): top-k, then top-p (nucleus),
+     everything else −inf, the most likely token always kept. Sample x = argmax(z + g) (Gumbel-max), with
+     g = −log(−log u) and u = splitmix64(row seed, position, token id): counter-based noise, so a row's draws
+     depend only on its seed and position, never on its batch-mates or on when finished rows are dropped.
+     (Computed as the equivalent exponential race argmax log(u) / p, p ∝ exp z: one log per token, not two.)
+  4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is done.
+  5. When the live rows have fallen to 3/4 of the batch since the last compaction, drop the done rows from the
+     batch and the cache (a copy, so not every step); stop when no row is live or after max_new_tokens.
+
+Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. The trainer
+must score tokens the same way, sampling_logprobs(logits, tokens, T, top_k, top_p), or the importance ratio
+π/π_old starts away from 1 (sampling at T = 0.7 and training on the raw softmax is a known bug). Greedy (T = 0)
+takes the argmax of the raw logits and records log_softmax(raw logits) at it; top_k/top_p do not apply.
+
+  python rollout.py --ckpt DIR --prompt "12+7=" --n 4 --max_new_tokens 64 --temperature 0.7 --top_p 0.95 --seed 0
+"""
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+# splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
+GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
+COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 20m models, 64 rows, mean length ~55)
+                   # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
+STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
+
+
+@dataclass
+class Rollout:
+    completion_ids: torch.Tensor   # [N, L] long, pad_id after the stop token
+    completion_mask: torch.Tensor  # [N, L] bool, True on generated tokens up to and including the stop token
+    logprobs: torch.Tensor         # [N, L] float32, log-prob under the sampling distribution; 0 on padding
+    truncated: torch.Tensor        # [N] bool, no stop token within max_new_tokens
+    lengths: torch.Tensor          # [N] long, generated tokens per row (completion_mask.sum(1))
+    seeds: torch.Tensor            # [N] long, per-row seeds: generate(model, [prompt], 1, ..., seed=seeds[r:r+1])
+                                   # regenerates row r alone
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, in place on an int64 tensor. >> is arithmetic on int64, so mask after shifting."""
+    for shift, mult in ((30, MIX1), (27, MIX2), (31, 0)):
+        x ^= (x >> shift).bitwise_and_((1 << (64 - shift)) - 1)
+        if mult:
+            x *= mult
+    return x
+
+
+def row_seeds(seed, n: int, device) -> torch.Tensor:
+    """[n] int64 per-row seeds: a tensor is taken as is; an int is hashed with each row index (splitmix64 stream);
+    None draws them from torch's default generator."""
+    if isinstance(seed, torch.Tensor):
+        if seed.shape != (n,):
+            raise ValueError(f"seed tensor has shape {tuple(seed.shape)}, expected ({n},): one seed per row")
+        return seed.to(device=device, dtype=torch.long)
+    if seed is None:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, (n,), dtype=torch.long).to(device)
+    if not -(1 << 63) <= int(seed) < (1 << 63):
+        raise ValueError(f"seed {seed} does not fit in int64")
+    base = mix64(torch.tensor([int(seed)], dtype=torch.long, device=device))
+    return mix64(base + torch.arange(1, n + 1, device=device) * GOLDEN)
+
+
+def log_uniform(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """keys [B] (one per row and position), offsets [V] (token id · golden ratio) -> log u [B, V] float32, u uniform
+    in (0, 1) from the top 23 bits of splitmix64(key + offset): never exactly 0 or 1."""
+    x = mix64(keys[:, None] + offsets)                                                  # [B, V] random bits
+    return (x >> 41).float().add_(2 ** 22 + 0.5).mul_(2 ** -23).log_()
+
+
+def sample(z: torch.Tensor, log_u: torch.Tensor | None):
+    """z [B, V] filtered logits -> (token [B], its log-prob [B]). With log_u, Gumbel-max in its exponential-race
+    form: argmax z + g, g = −log(−log u)  ==  argmax p / E, E = −log u  ==  argmax log(u) / p, with p ∝ exp(z);
+    without (greedy), argmax z."""
+    m, tok = z.max(-1)                                                                  # [B]
+    p = (z - m[:, None]).exp_()                                                         # [B, V], 0 where z = −inf
+    if log_u is not None:
+        tok = log_u.div_(p).argmax(-1)  # log u < 0, so a zero p gives −inf: filtered tokens never win
+    return tok, (p.gather(-1, tok[:, None])[:, 0] / p.sum(-1)).log()
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """[..., V] logits -> float32 logits of the sampling distribution: logits / T, then −inf outside the top-k
+    (ties with the k-th value are kept) and outside the smallest set of most likely tokens with mass >= top_p."""
+    z = logits.float()
+    if temperature == 0:  # greedy: the raw distribution
+        return z
+    if temperature != 1:
+        z = z / temperature
+    if 0 < top_k < z.shape[-1]:
+        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+    if top_p < 1:  # drop a token when the more likely tokens before it already reach top_p (the first never is)
+        zs, order = z.sort(dim=-1, descending=True)
+        p = zs.softmax(-1)
+        drop = (p.cumsum(-1) - p) >= top_p
+        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return z
+
+
+def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V], tokens [...] -> float32 log-probs [...] under the distribution generate() samples from
+    (and records) with the same settings. Differentiable: the trainer's π and π_old for the GRPO ratio."""
+    z = filter_logits(logits, temperature, top_k, top_p)
+    return z.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
+    if not prompts:
+        raise ValueError("prompts is empty: pass a list of token-id lists")
+    V, max_len = model.config.vocab_size, model.config.max_seq_len
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) + max_new_tokens > max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens: + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_seq_len={max_len}")
+        if min(p) < 0 or max(p) >= V:
+            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={V})")
+    checks = [(num_samples >= 1, f"num_samples={num_samples} must be >= 1"),
+              (max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be >= 1"),
+              (temperature >= 0, f"temperature={temperature} must be >= 0 (0 means greedy)"),
+              (top_k >= 0, f"top_k={top_k} must be >= 0 (0 means off)"),
+              (0 < top_p <= 1, f"top_p={top_p} must be in (0, 1] (1 means off)")]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+
+
+@torch.no_grad()
+def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
+             seed=None, pad_id=0) -> Rollout:
+    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows."""
+    _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
+    dev = model.model.embed_tokens.weight.device
+    P, G, L = len(prompts), num_samples, max_new_tokens
+    N, S = P * G, max(map(len, prompts))
+    seeds = row_seeds(seed, N, dev)
+    # 1. one prefill of the P distinct prompts, left-padded to S
+    idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
+    start = torch.tensor([S - len(p) for p in prompts], device=dev)                          # [P]
+    cache = model.new_cache(P, S + L, start=start)
+    logits = model(idx, cache, last_only=True)[:, -1]                                         # [P, V]
+    # 2. G rows share each prompt's prefill
+    group = torch.arange(P, device=dev).repeat_interleave(G)                                 # [N]
+    cache, logits = cache.index_rows(group), logits[group]                                   # [N, V]
+    # per (row, position) noise keys up front: noise never depends on the batch a row is in
+    keys = mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1)                  # [N, L]
+    offsets = torch.arange(logits.shape[-1], device=dev) * GOLDEN                             # [V]
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+    out_ids = torch.full((N, L), pad_id, dtype=torch.long, device=dev)
+    out_lp = torch.zeros(N, L, dtype=torch.float32, device=dev)
+    out_mask = torch.zeros(N, L, dtype=torch.bool, device=dev)
+    rows = torch.arange(N, device=dev)      # [B] output row of each batch row; B shrinks at compactions
+    live = torch.ones(N, dtype=torch.bool, device=dev)  # [B] no stop token yet
+    steps, t0, batch_at_compaction = [], 0, N  # (token, logprob, live) per step since the last flush
+
+    def flush(t1):  # write the buffered steps t0..t1-1 of the current batch into the outputs
+        tok, lp, lv = (torch.stack(x, 1) for x in zip(*steps))                                # [B, t1 - t0]
+        out_ids[rows, t0:t1] = tok.masked_fill(~lv, pad_id)
+        out_lp[rows, t0:t1] = lp.masked_fill(~lv, 0.0)
+        out_mask[rows, t0:t1] = lv
+        steps.clear()
+
+    for t in range(L):
+        # 3. sample from the filtered distribution, 4. record the token and its log-prob
+        z = filter_logits(logits, temperature, top_k, top_p)                                 # [B, V] float32
+        tok, logp = sample(z, log_uniform(keys[:, t], offsets) if temperature > 0 else None)  # [B], [B]
+        steps.append((tok, logp, live))
+        if t == L - 1:
+            break
+        if len(stop):
+            live = live & ~torch.isin(tok, stop)
+            n_live = int(live.sum())  # the one host sync per step
+            if n_live == 0:
+                break
+            if n_live <= COMPACT_AT * batch_at_compaction:  # 5. drop finished rows from the batch and the cache
+                flush(t + 1)
+                t0, batch_at_compaction = t + 1, n_live
+                keep = live.nonzero()[:, 0]
+                cache, rows, live, tok, keys = cache.index_rows(keep), rows[keep], live[keep], tok[keep], keys[keep]
+        logits = model(tok[:, None], cache)[:, -1]                                             # [B, V]
+    flush(t + 1)
+    truncated = torch.zeros(N, dtype=torch.bool, device=dev)
+    truncated[rows] = live & ~torch.isin(tok, stop)  # still live after the last token: never stopped
+    mask = out_mask[:, :t + 1]  # L = t + 1 steps were run
+    return Rollout(out_ids[:, :t + 1], mask, out_lp[:, :t + 1], truncated, mask.sum(1), seeds)
+
+
+def main():
+    p = argparse.ArgumentParser(description="Sample completions of one prompt from a checkpoint folder.")
+    p.add_argument("--ckpt", required=True, help="a Hugging Face folder: config.json, model.safetensors, tokenizer")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--n", type=int, default=4, help="completions to sample")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--top_p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads; oversubscribing shared cores is very slow")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from model import Transformer, load_tokenizer
+    model, tok = Transformer.from_pretrained(args.ckpt).eval(), load_tokenizer(args.ckpt)
+    stop = [i for i in (tok.token_to_id(s) for s in STOP_NAMES) if i is not None]
+    t0 = time.perf_counter()
+    r = generate(model, [tok.encode(args.prompt).ids], args.n, args.max_new_tokens, args.temperature, args.top_k,
+                 args.top_p, stop_ids=stop, seed=args.seed)
+    dt = time.perf_counter() - t0
+    for i in range(args.n):
+        ids = r.completion_ids[i, :r.lengths[i]].tolist()
+        end = "stop" if not r.truncated[i] else "max_new_tokens"
+        print(f"--- {i} ({len(ids)} tokens, {end}, log-prob {r.logprobs[i].sum():.2f})\n{args.prompt}{tok.decode(ids)}")
+    print(f"--- {int(r.lengths.sum())} tokens in {dt:.2f} s: {r.lengths.sum() / dt:.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""rollout.py against a naive uncached argmax loop, against itself alone, a full forward's log-probs, counted
+frequencies of sampled tokens, and a pure-Python splitmix64."""
+import pytest
+import torch
+
+from model import KVCache, ModelConfig, Transformer
+from rollout import generate, mix64, sampling_logprobs
+
+V = 23
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
+STOP = (2, 7, 13)  # several stop ids, so rows stop at different steps and finished rows get dropped
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # tiny tensors: a second thread only adds synchronisation, and stalls when a core is busy
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=48,
+                      max_seq_len=64)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():  # bigger weights than the 0.02 init: peaked, prompt-dependent distributions
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() == 2 else p.normal_(1, 0.3)
+    return m.to(dtype)
+
+
+def full_logits(m, prompt, completion):
+    """Uncached forward of prompt + completion -> the logits that predicted each completion token [len, V]."""
+    with torch.no_grad():
+        out = m(torch.tensor([list(prompt) + list(completion)]))[0]
+    return out[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+
+
+def naive_greedy(m, prompt, n, stop):
+    seq, out = list(prompt), []
+    for _ in range(n):  # recompute the whole sequence every step: no cache, no padding, no batch
+        with torch.no_grad():
+            tok = int(m(torch.tensor([seq]))[0, -1].argmax())
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return out
+
+
+def rows_of(r):
+    return [r.completion_ids[i, :r.lengths[i]].tolist() for i in range(len(r.lengths))]
+
+
+@pytest.fixture
+def index_rows_sizes(monkeypatch):
+    sizes, orig = [], KVCache.index_rows
+    monkeypatch.setattr(KVCache, "index_rows", lambda self, rows: sizes.append(len(rows)) or orig(self, rows))
+    return sizes
+
+
+def test_greedy_matches_naive_uncached_loop(index_rows_sizes):
+    m = tiny()
+    r = generate(m, PROMPTS, 2, 20, temperature=0, stop_ids=STOP)
+    want = [naive_greedy(m, p, 20, STOP) for p in PROMPTS for _ in range(2)]
+    assert rows_of(r) == want
+    assert len(set(map(len, want))) >= 3  # rows stopped at different steps ...
+    assert index_rows_sizes[0] == 8 and min(index_rows_sizes) < 8  # ... and finished rows were dropped
+    assert torch.equal(r.lengths, torch.tensor([len(w) for w in want]))
+
+
+@pytest.mark.parametrize("T,k,p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_row_in_batch_equals_row_alone(T, k, p, index_rows_sizes):
+    m = tiny()
+    r = generate(m, PROMPTS, 4, 16, T, k, p, stop_ids=STOP, seed=123)  # N = 16 rows
+    assert min(index_rows_sizes) < 16  # compaction happened in the batched run
+    for i in range(16):
+        alone = generate(m, [PROMPTS[i // 4]], 1, 16, T, k, p, stop_ids=STOP, seed=r.seeds[i:i + 1])
+        assert rows_of(alone) == rows_of(r)[i:i + 1]
+        L = alone.completion_ids.shape[1]
+        assert (alone.logprobs[0] - r.logprobs[i, :L]).abs().max() < 1e-5
+    assert len({tuple(x) for x in rows_of(r)}) > len(PROMPTS)  # samples of one prompt differ
+    again = generate(m, PROMPTS, 4, 16, T, k, p, stop_ids=STOP, seed=123)
+    assert torch.equal(again.completion_ids, r.completion_ids)  # an int seed fixes the run
+
+
+@pytest.mark.parametrize("T,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 6, 0.7), (0, 0, 1.0)])
+def test_recorded_logprobs_match_full_forward(T, k, p):
+    m = tiny()
+    r = generate(m, PROMPTS, 3, 12, T, k, p, stop_ids=STOP, seed=7)
+    for i, comp in enumerate(rows_of(r)):
+        logits = full_logits(m, PROMPTS[i // 3], comp)
+        ref = sampling_logprobs(logits, torch.tensor(comp), T, k, p)
+        assert (r.logprobs[i, :len(comp)] - ref).abs().max() < 1e-5
+        if (k, p) == (0, 1.0) and T in (0, 1):  # unfiltered T = 1, and greedy: the plain softmax
+            plain = logits.log_softmax(-1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
+            assert (r.logprobs[i, :len(comp)] - plain).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("T,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 4, 0.9)])
+def test_first_token_frequencies_match_filtered_softmax(T, k, p):
+    m = tiny()
+    prompt, n = [1, 4, 9], 4000
+    with torch.no_grad():
+        z = m(torch.tensor([prompt]))[0, -1] / T  # the distribution, computed here by hand
+    keep = torch.ones(V, dtype=torch.bool)
+    if k:
+        keep &= z >= z.sort(descending=True).values[k - 1]
+    if p < 1:
+        order = z.masked_fill(~keep, float("-inf")).argsort(descending=True)
+        probs = z.masked_fill(~keep, float("-inf")).softmax(-1)[order]
+        before = torch.cat((torch.zeros(1), probs.cumsum(0)[:-1]))
+        keep[order[before >= p]] = False
+    want = z.masked_fill(~keep, float("-inf")).softmax(-1)
+    r = generate(m, [prompt], n, 1, T, k, p, seed=0)
+    counts = torch.bincount(r.completion_ids[:, 0], minlength=V).float()
+    assert counts[~keep].sum() == 0  # never outside the top-k / nucleus
+    e = n * want[keep]
+    chi2 = ((counts[keep] - e) ** 2 / e).sum().item()
+    assert chi2 < 3 * int(keep.sum()) + 10, chi2  # mean is #kept − 1; this bound is far in the tail
+    assert (r.logprobs[:, 0] - want.log()[r.completion_ids[:, 0]]).abs().max() < 1e-5
+
+
+def test_mask_lengths_truncated_are_consistent():
+    m = tiny()
+    r = generate(m, PROMPTS, 4, 10, 1.0, stop_ids=STOP, seed=3, pad_id=0)
+    N, L = r.completion_ids.shape
+    assert N == 16 and L == r.lengths.max() <= 10
+    assert r.truncated.any() and not r.truncated.all()  # the test sees both kinds of rows
+    for i in range(N):
+        n = int(r.lengths[i])
+        assert torch.equal(r.completion_mask[i], torch.arange(L) < n)
+        ids = r.completion_ids[i, :n].tolist()
+        assert not any(t in STOP for t in ids[:-1])  # no stop id before the last token
+        assert r.truncated[i] == (ids[-1] not in STOP) and (n == 10 or not r.truncated[i])
+        assert (r.completion_ids[i, n:] == 0).all() and (r.logprobs[i, n:] == 0).all()
+        assert (r.logprobs[i, :n] < 0).all()
+    assert r.completion_mask.dtype == torch.bool and r.logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("G", [2, 8])
+def test_each_prompt_is_prefilled_once(G, monkeypatch):
+    m = tiny()
+    shapes, forward = [], m.forward
+    monkeypatch.setattr(m, "forward", lambda idx, *a, **kw: shapes.append(tuple(idx.shape)) or forward(idx, *a, **kw))
+    r = generate(m, PROMPTS, G, 6, 1.0, seed=1)
+    assert shapes[0] == (4, 7)  # P prompts, S = longest prompt: not N = P·G rows
+    assert all(s[1] == 1 for s in shapes[1:]) and len(shapes) == 6  # then one token per row per step
+    assert r.completion_ids.shape == (4 * G, 6) and r.truncated.all()  # no stop ids: every row runs to the end
+
+
+def test_seed_none_draws_from_torch_generator():
+    m = tiny()
+    torch.manual_seed(5)
+    a = generate(m, PROMPTS, 2, 8, seed=None)
+    torch.manual_seed(5)
+    b = generate(m, PROMPTS, 2, 8, seed=None)
+    assert torch.equal(a.seeds, b.seeds) and torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(generate(m, PROMPTS, 2, 8, seed=1).seeds, generate(m, PROMPTS, 2, 8, seed=2).seeds)
+
+
+def test_mix64_is_splitmix64():
+    def ref(x):  # the published finaliser on Python ints mod 2^64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+        return x ^ (x >> 31)
+    xs = [0, 1, 12345, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 0x9E3779B97F4A7C15]
+    got = mix64(torch.tensor([x - 2 ** 64 if x >= 2 ** 63 else x for x in xs]))
+    assert [g % 2 ** 64 for g in got.tolist()] == [ref(x) for x in xs]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1] * 60]), "max_seq_len"),
+    (dict(prompts=[[1, 99]]), "vocab_size"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(seed=torch.zeros(3, dtype=torch.long)), "seed"),
+])
+def test_bad_inputs_raise(kw, match):
+    args = dict(prompts=[[1, 2]], num_samples=2, max_new_tokens=8) | kw
+    with pytest.raises(ValueError, match=match):
+        generate(tiny(), **args)
+
+
+def test_bfloat16_model_runs():
+    m = tiny(torch.bfloat16)
+    r = generate(m, PROMPTS, 3, 8, 1.0, top_p=0.95, stop_ids=STOP, seed=0)
+    assert r.completion_ids.shape[0] == 12 and r.logprobs.dtype == torch.float32
+    assert torch.isfinite(r.logprobs).all() and (r.logprobs[r.completion_mask] < 0).all()
+    g = generate(m, PROMPTS, 1, 8, 0.0, stop_ids=STOP)
+    assert torch.isfinite(g.logprobs).all()
+

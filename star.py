@@ -165,7 +165,6 @@ def main(cfg: Config) -> dict:
     # the console ETA counts the fine-tune steps as the "rl" stage
     cfg = dataclasses.replace(cfg, rl_steps=cfg.expert_iters * cfg.expert_sft_steps)
     tr, stage = Trainer(cfg), cfg.algo
-    tr.cursor, tr.sft_cursor, tr.memory, tr.bad_steps, tr.start_step = 0, 0, {}, 0, 0
     tr.start_logging(0)
     if tr.rank == 0:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {tr.world}, device {tr.device}, "

@@ -78,7 +78,7 @@ class Config:
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     # --- RL sampling
-    rl_steps: int = 300
+    rl_steps: int = 500
     rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
@@ -122,7 +122,7 @@ class Config:
     grad_clip: float = 1.0
     max_bad_steps: int = 3              # consecutive non-finite steps before the run stops
     # --- evaluation and checkpoints
-    eval_every: int = 100
+    eval_every: int = 400
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
     eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
@@ -352,8 +352,10 @@ class Trainer:
             model = Transformer(ModelConfig(vocab_size=self.tok.get_vocab_size(), hidden_size=cfg.hidden_size,
                                             n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                             intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
-        self.model_config = model.config
+        self.model_config, self.n_params = model.config, sum(p.numel() for p in model.parameters())
         self.model = self.shard(model.to(self.device))
+        # data cursors, pass-rate memory and failure count: the state a checkpoint carries besides the weights
+        self.cursor, self.sft_cursor, self.memory, self.bad_steps, self.start_step = 0, 0, {}, 0, 0
         self.ref = None
         self.task = Task(cfg, self.tok)
 
@@ -720,20 +722,19 @@ def main(cfg: Config) -> dict:
     if cfg.algo in ("star", "rft"):  # expert iteration: STaR / rejection-sampling fine-tuning
         import star
         return star.main(cfg)
-    tr = Trainer.__new__(Trainer)
     latest = max(complete_checkpoints(cfg.out_dir), default=0) if cfg.resume else 0
     if latest:  # resume: weights from the checkpoint folder, the rest from its trainer_state.pt
         ckpt = os.path.join(cfg.out_dir, f"step_{latest}")
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         cfg = dataclasses.replace(cfg, init_from=ckpt)
-    Trainer.__init__(tr, cfg)
-    tr.cursor, tr.sft_cursor, tr.memory, tr.bad_steps, tr.start_step = 0, 0, {}, 0, latest
+    tr = Trainer(cfg)
+    tr.start_step = latest
     if latest:
         tr.cursor, tr.sft_cursor, tr.memory, tr.bad_steps = (state[k] for k in ("cursor", "sft_cursor", "memory", "bad_steps"))
         torch.set_rng_state(state["rng"])
     tr.start_logging(latest)
     if tr.rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in tr.model.parameters()) * tr.world:,} "
+        print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {tr.n_params:,} "
               f"parameters, world size {tr.world}, device {tr.device}\nobjective: {objective(cfg)}", flush=True)
     total, opt, stage, results, rl_t0 = cfg.sft_steps + cfg.rl_steps, None, None, {}, time.time()
     for step in range(latest + 1, total + 1):
@@ -742,7 +743,7 @@ def main(cfg: Config) -> dict:
             stage, rl_t0 = new_stage, time.time()
             n = cfg.sft_steps if stage == "sft" else cfg.rl_steps
             opt, sched = tr.make_optimizer(cfg.sft_lr if stage == "sft" else cfg.lr, n)
-            if latest and state["stage"] == stage and latest < total and step == latest + 1 and latest != cfg.sft_steps:
+            if latest and step == latest + 1 and state["stage"] == stage:  # resumed mid-stage
                 load_optimizer(tr, opt, state["optimizer"])
                 sched.load_state_dict(state["scheduler"])
             if stage == "rl" and cfg.beta > 0:
@@ -774,6 +775,8 @@ def main(cfg: Config) -> dict:
                 results[stage] = ev
         if (step % cfg.ckpt_every == 0 or step == total) and tr.bad_steps == 0:
             tr.save(step, stage, opt, sched)
+        if out_of_time:
+            break
     if tr.rank == 0:
         summary(results)
         tr.log_file.close()

@@ -199,3 +199,27 @@ def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
     assert seen[0] == [0, 1, 2] and seen[1] == [0, 1, 2] and 0 not in seen[2] + seen[3]
     _, stats = tr.collect(5)
     assert stats["train/skip_rate"] > 0
+
+
+def test_cold_start_direct_answer_share_and_disjoint_heldout():
+    cfg = train.Config(sft_direct_frac=0.5, eval_n=200)
+    task = train.Task(cfg, train.build_char_tokenizer(train.tasks.CHARS))
+    demos = [task.demo(k, task.problem("sft", k)[1]) for k in range(2000)]
+    direct = [d for d in demos if d.startswith("####")]
+    assert 0.45 < len(direct) / len(demos) < 0.55  # a seeded coin per demo index
+    assert demos == [task.demo(k, task.problem("sft", k)[1]) for k in range(2000)]  # and deterministic
+    p = task.problem("sft", 3)[1]
+    assert task.demo(3, p) in (p.solution, f"#### {p.gold}") and p.solution.endswith(f"#### {p.gold}")
+    train_prompts = {task.problem("rl", k)[1].prompt for k in range(3000)}
+    assert not train_prompts & task.heldout_prompts  # the held-out set is never trained on
+    assert {p.level for p in task.heldout} == {2, 3, 4}
+
+
+def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
+    out = tmp_path / "timed"
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--rl_steps=10000", "--rl_minutes=0.001"])
+    results = train.main(cfg)
+    recs = records(out)
+    last = max(r["step"] for r in recs)
+    assert last < 6 + 10000 and recs[-1]["step"] == last and "eval/pass@1" in recs[-1]
+    assert "rl" in results and train.complete_checkpoints(out)[-1] == last

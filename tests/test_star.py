@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
 # the micro model on one-operation sums of 0..3: after 30 steps it solves some, so the fine-tuning is exercised
 MICRO = ["--config", SMOKE, "--threads=1", "--sft_steps=30", "--sft_lr=2e-2", "--max_operand=3", "--sft_max_ops=1",
+         "--sft_min_ops=1", "--rl_min_ops=1", "--eval_min_ops=1", "--sft_direct_frac=0", "--ops=+-*",
          "--rl_max_ops=1", "--eval_max_ops=1", "--train_size=8", "--expert_iters=2", "--expert_samples=4",
          "--expert_sft_steps=2", "--eval_n=8", "--eval_k=2", "--hint_sft_frac=0.5"]
 
@@ -26,7 +27,7 @@ def records(out_dir):
 
 
 def trainer(tmp_path, *args):
-    tr = train.Trainer(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--train_size=4",
+    tr = train.Trainer(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--train_size=4", "--sft_direct_frac=0",
                                          "--expert_samples=4", "--prompts_per_step=4", *args]))
     tr.sft_cursor = 0
     return tr

@@ -41,7 +41,7 @@ import torch
 import grpo
 import tasks
 import verify
-from train import Config, Task, Trainer, all_sum, seed_of, summary
+from train import Config, Task, Trainer, all_sum, seed_of
 
 HINT = "The answer is {gold}. Explain why."  # gsm8k / math rationalisation hint (STaR §3.2)
 
@@ -205,11 +205,6 @@ def main(cfg: Config) -> dict:
         tr.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
                              "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
         tr.save(step, stage, opt, sched)
-        if cfg.rl_minutes and time.time() - t_start > 60 * cfg.rl_minutes:  # same wall-clock as an RL run
+        if tr.out_of_time(t_start):  # same wall-clock budget as an RL run
             break
-    if tr.rank == 0:
-        summary(results)
-        tr.log_file.close()
-        if tr.wandb:
-            tr.wandb.finish()
-    return results
+    return tr.finish(results)

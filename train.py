@@ -565,7 +565,8 @@ class Trainer:
                 return loss, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
                               **{f"train/{k}": v * tok for k, v in met.items()}}
             m = self.accumulate(prompts, comps, loss_fn, cfg.temperature)
-            sums = m if epoch == 0 else sums  # metrics of the first epoch: the on-policy one
+            if epoch == 0:  # log the metrics of the first epoch: the on-policy one
+                sums = m
             gnorm = self.optimizer_step(opt, sched)
         n = all_sum(sums.pop("n", torch.zeros((), device=dev))).clamp(min=1)
         gap = torch.stack(gaps).amax()
@@ -696,6 +697,19 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def out_of_time(self, t0: float) -> bool:
+        """rl_minutes spent since t0 on any rank: every rank stops at the same step."""
+        late = float(self.cfg.rl_minutes > 0 and time.time() - t0 > 60 * self.cfg.rl_minutes)
+        return bool(all_sum(torch.tensor(late, device=self.device)) > 0)
+
+    def finish(self, results: dict) -> dict:
+        if self.rank == 0:
+            summary(results)
+            self.log_file.close()
+            if self.wandb:
+                self.wandb.finish()
+        return results
+
     def make_ref(self):
         """π_ref: a frozen, unsharded copy of the current policy (β > 0 only; costs one model copy per rank)."""
         sd, _ = self.full_state(rank0_only=False)
@@ -764,8 +778,7 @@ def main(cfg: Config) -> dict:
         tr.log(step, stage, rec)
         if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and (step - cfg.sft_steps) % cfg.ref_update_every == 0:
             tr.ref = tr.make_ref()
-        out_of_time = stage == "rl" and cfg.rl_minutes > 0 and all_sum(  # any rank's clock stops every rank
-            torch.tensor(float(time.time() - rl_t0 > 60 * cfg.rl_minutes), device=tr.device)) > 0
+        out_of_time = stage == "rl" and tr.out_of_time(rl_t0)
         total = step if out_of_time else total
         end_of_stage = step in (cfg.sft_steps, total)
         if step % cfg.eval_every == 0 or end_of_stage:
@@ -777,12 +790,7 @@ def main(cfg: Config) -> dict:
             tr.save(step, stage, opt, sched)
         if out_of_time:
             break
-    if tr.rank == 0:
-        summary(results)
-        tr.log_file.close()
-        if tr.wandb:
-            tr.wandb.finish()
-    return results
+    return tr.finish(results)
 
 
 def load_optimizer(tr, opt, sd):

@@ -811,5 +811,6 @@ def summary(results: dict):
 
 if __name__ == "__main__":
     main(parse_args(sys.argv[1:]))
-    if dist.is_initialized():
+    if dist.is_initialized():  # leave together: a rank tearing gloo down while its peer still works can abort
+        dist.barrier()
         dist.destroy_process_group()

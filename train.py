@@ -35,7 +35,7 @@ import grpo
 import tasks
 import verify
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
-from rollout import filter_logits, generate
+from rollout import STOP_NAMES, filter_logits, generate
 
 
 # ================================================================================================== config
@@ -242,10 +242,10 @@ class Task:
 
     def __init__(self, cfg: Config, tok):
         self.cfg, self.tok = cfg, tok
-        eos = [tok.token_to_id(t) for t in ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")]
+        eos = [tok.token_to_id(t) for t in STOP_NAMES]
         self.stop_ids = [i for i in eos if i is not None]
         if not self.stop_ids:
-            raise ValueError("the tokenizer has no end-of-sequence token (<eos>, <|endoftext|>, <|im_end|>, </s>)")
+            raise ValueError(f"the tokenizer has no end-of-sequence token (one of {STOP_NAMES})")
         if cfg.task in ("gsm8k", "math"):
             load = tasks.load_gsm8k if cfg.task == "gsm8k" else tasks.load_math
             self.train = load(cfg.train_file)

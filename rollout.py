@@ -6,10 +6,11 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
   2. Repeat each prompt's cache rows and logits G times (cache.index_rows(arange(P).repeat_interleave(G))):
      a prompt is prefilled once per group, never once per sample.
   3. Each step, turn logits into the sampling distribution z = filter(logits / T): top-k, then top-p (nucleus),
-     everything else −inf, the most likely token always kept. Sample x = argmax(z + g) (Gumbel-max), with
-     g = −log(−log u) and u = splitmix64(row seed, position, token id): counter-based noise, so a row's draws
-     depend only on its seed and position, never on its batch-mates or on when finished rows are dropped.
-     (Computed as the equivalent exponential race argmax log(u) / p, p ∝ exp z: one log per token, not two.)
+     everything else −inf, the most likely token always kept. Sample x by inverting the CDF: with p ∝ exp z,
+     x = the first token whose cumulative mass exceeds u · Σp, where u = splitmix64(row seed, position) is
+     counter-based noise: one uniform per row and step, so a row's draws depend only on its seed and position,
+     never on its batch-mates or on when finished rows are dropped. (The CDF is summed in float64. Gumbel-max
+     would need a hash per token of the vocabulary, V times the noise: 15% of a step at V = 4096.)
   4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is done.
   5. When the live rows have fallen to 3/4 of the batch since the last compaction, drop the done rows from the
      batch and the cache (a copy, so not every step); stop when no row is live or after max_new_tokens.
@@ -70,22 +71,23 @@ def row_seeds(seed, n: int, device) -> torch.Tensor:
     return mix64(base + torch.arange(1, n + 1, device=device) * GOLDEN)
 
 
-def log_uniform(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """keys [B] (one per row and position), offsets [V] (token id · golden ratio) -> log u [B, V] float32, u uniform
-    in (0, 1) from the top 23 bits of splitmix64(key + offset): never exactly 0 or 1."""
-    x = mix64(keys[:, None] + offsets)                                                  # [B, V] random bits
-    return (x >> 41).float().add_(2 ** 22 + 0.5).mul_(2 ** -23).log_()
+def uniform(keys: torch.Tensor) -> torch.Tensor:
+    """keys [B] random int64 (one per row and position) -> u [B] float64, uniform in (0, 1) from their top 52 bits
+    (k + 1/2) / 2^52: never exactly 0 or 1 (with 53 bits, k + 1/2 would round up to 2^53)."""
+    return (keys >> 12).bitwise_and_((1 << 52) - 1).double().add_(0.5).mul_(2.0 ** -52)
 
 
-def sample(z: torch.Tensor, log_u: torch.Tensor | None):
-    """z [B, V] filtered logits -> (token [B], its log-prob [B]). With log_u, Gumbel-max in its exponential-race
-    form: argmax z + g, g = −log(−log u)  ==  argmax p / E, E = −log u  ==  argmax log(u) / p, with p ∝ exp(z);
-    without (greedy), argmax z."""
-    m, tok = z.max(-1)                                                                  # [B]
-    p = (z - m[:, None]).exp_()                                                         # [B, V], 0 where z = −inf
-    if log_u is not None:
-        tok = log_u.div_(p).argmax(-1)  # log u < 0, so a zero p gives −inf: filtered tokens never win
-    return tok, (p.gather(-1, tok[:, None])[:, 0] / p.sum(-1)).log()
+def sample(z: torch.Tensor, u: torch.Tensor | None):
+    """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
+    whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
+    predecessor's); without (greedy), argmax z."""
+    if u is None:
+        tok = z.argmax(-1)
+        return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+    p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
+    c = p.double().cumsum_(-1)                                                          # [B, V] float64
+    tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range
+    return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -153,9 +155,8 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     # 2. G rows share each prompt's prefill
     group = torch.arange(P, device=dev).repeat_interleave(G)                                 # [N]
     cache, logits = cache.index_rows(group), logits[group]                                   # [N, V]
-    # per (row, position) noise keys up front: noise never depends on the batch a row is in
-    keys = mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1)                  # [N, L]
-    offsets = torch.arange(logits.shape[-1], device=dev) * GOLDEN                             # [V]
+    # one uniform per (row, position), drawn up front: noise never depends on the batch a row is in
+    noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))        # [N, L] float64
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
     out_ids = torch.full((N, L), pad_id, dtype=torch.long, device=dev)
     out_lp = torch.zeros(N, L, dtype=torch.float32, device=dev)
@@ -174,7 +175,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     for t in range(L):
         # 3. sample from the filtered distribution, 4. record the token and its log-prob
         z = filter_logits(logits, temperature, top_k, top_p)                                 # [B, V] float32
-        tok, logp = sample(z, log_uniform(keys[:, t], offsets) if temperature > 0 else None)  # [B], [B]
+        tok, logp = sample(z, noise[:, t] if temperature > 0 else None)                      # [B], [B]
         steps.append((tok, logp, live))
         if t == L - 1:
             break
@@ -187,7 +188,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 flush(t + 1)
                 t0, batch_at_compaction = t + 1, n_live
                 keep = live.nonzero()[:, 0]
-                cache, rows, live, tok, keys = cache.index_rows(keep), rows[keep], live[keep], tok[keep], keys[keep]
+                cache, rows, live, tok, noise = cache.index_rows(keep), rows[keep], live[keep], tok[keep], noise[keep]
         logits = model(tok[:, None], cache)[:, -1]                                             # [B, V]
     flush(t + 1)
     truncated = torch.zeros(N, dtype=torch.bool, device=dev)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model import KVCache, ModelConfig, Transformer
-from rollout import generate, mix64, sampling_logprobs
+from rollout import generate, mix64, sample, sampling_logprobs, uniform
 
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
@@ -120,6 +120,16 @@ def test_first_token_frequencies_match_filtered_softmax(T, k, p):
     chi2 = ((counts[keep] - e) ** 2 / e).sum().item()
     assert chi2 < 3 * int(keep.sum()) + 10, chi2  # mean is #kept − 1; this bound is far in the tail
     assert (r.logprobs[:, 0] - want.log()[r.completion_ids[:, 0]]).abs().max() < 1e-5
+
+
+def test_inverse_cdf_edges_never_pick_a_filtered_token():
+    z = torch.tensor([0.0, 1, 0, 2, 3, 0]).log().repeat(5, 1)  # probabilities 0, 1/6, 0, 2/6, 3/6, 0
+    u = torch.tensor([2.0 ** -53, 0.16, 0.17, 0.5 + 1e-9, 1 - 2.0 ** -53], dtype=torch.float64)
+    tok, lp = sample(z, u)
+    assert tok.tolist() == [1, 1, 3, 4, 4]  # the extremes of u land on the first and last kept tokens
+    assert torch.allclose(lp, torch.tensor([1 / 6, 1 / 6, 2 / 6, 3 / 6, 3 / 6]).log(), atol=1e-6)
+    keys = torch.tensor([0, -1, 1 << 62, -(1 << 63)])  # extreme bit patterns stay strictly inside (0, 1)
+    assert ((uniform(keys) > 0) & (uniform(keys) < 1)).all()
 
 
 def test_mask_lengths_truncated_are_consistent():

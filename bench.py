@@ -4,7 +4,9 @@
   3. the matmul-only bound of a decode step: N rows times every weight matrix of every layer plus the LM head,
      as plain F.linear calls on preallocated inputs, in a loop. ours / bound is the fraction of it we reach.
 Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling
-(T = 1, no top-k / top-p). Each number is the best of --repeats runs, since other processes share the cores.
+(T = 1, no top-k / top-p). Each number is the best of --repeats runs, since other processes share the cores, and
+the timed methods take turns (round r of ours, transformers and the bound, then round r + 1): this machine's speed
+drifts by up to 2x over minutes, so timing one method after another would skew their ratios.
 Settings are P×G×new-tokens; the first one is compared against all three, the others time ours alone (they show
 that cost follows generated tokens, not G × prompt length: a prompt is prefilled once per group).
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +54,24 @@ def sync():
         torch.cuda.synchronize()
 
 
-def best_time(fn, repeats):  # fastest of `repeats` runs after one warm-up: noise from other processes only adds
+def timed(fn):
+    sync()
+    t0 = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
+    sync()
+    return time.perf_counter() - t0
+
+
+def best_times(jobs: dict, repeats: int) -> dict:
+    """{name: fn} -> {name: fastest of `repeats` runs}, after one warm-up each, the jobs taking turns every round:
+    noise from other processes only adds time, and a slow spell of the machine hits every job alike."""
+    for fn in jobs.values():
         fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = {k: float("inf") for k in jobs}
+    for _ in range(repeats):
+        for k, fn in jobs.items():
+            best[k] = min(best[k], timed(fn))
+    return best
 
 
 # -------------------------------------------------------------------------------------------------- model
@@ -77,38 +88,16 @@ gen = torch.Generator().manual_seed(0)
 S = args.prompt_len
 results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
            "threads": args.threads, "prompt_len": S}
-rows = []  # (label, greedy tok/s, sampling tok/s)
 
-# ---------------------------------------------------------------------------------------------------- ours
+# -------------------------------------------------------------------- the timed jobs: name -> (fn, tokens)
+jobs = {}
 for P, G, new in settings:
     prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
-    tps = []
     for T in (0.0, 1.0):
-        t = best_time(lambda: generate(model, prompts, G, new, temperature=T, seed=0), args.repeats)
-        tps.append(P * G * new / t)
-    rows.append((f"ours {P}x{G}x{new}", *tps))
-    results[f"ours_{P}x{G}x{new}"] = {"greedy": tps[0], "sampling": tps[1]}
+        jobs[f"ours {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T, seed=0), P * G * new)
 P, G, new = settings[0]
 N = P * G
-torch.manual_seed(1)
 prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
-
-
-# --------------------------------------------------------------------------------------- naive, no cache
-@torch.no_grad()
-def naive(T):
-    seq = prompt_ids.repeat_interleave(G, 0)                                   # [N, S]
-    for _ in range(args.naive_tokens):
-        logits = model(seq)[:, -1].float()                                       # the whole sequence, every step
-        tok = logits.argmax(-1) if T == 0 else torch.multinomial(logits.softmax(-1), 1)[:, 0]
-        seq = torch.cat((seq, tok[:, None]), 1)
-
-
-nv = [N * args.naive_tokens / best_time(lambda: naive(T), 1) for T in (0.0, 1.0)]
-rows.append((f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
-results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
-
-# ------------------------------------------------------------------------------------------ transformers
 try:
     if args.no_hf:
         raise ImportError
@@ -125,13 +114,13 @@ try:
                           pad_token_id=0, **kw)
         assert out.shape == (N, S + new), out.shape
 
-    hft = [N * new / best_time(lambda: hf_run(s), args.repeats) for s in (False, True)]
-    rows.append((f"transformers {transformers.__version__}", *hft))
-    results["transformers"] = {"greedy": hft[0], "sampling": hft[1]}
+    hf_label = f"transformers {transformers.__version__}"
+    for T in (0.0, 1.0):
+        jobs[hf_label, T] = (partial(hf_run, T > 0), N * new)
 except ImportError:
-    hft = None
+    hf_label = None
 
-# ----------------------------------------------------------------------------------- matmul-only bound
+# matmul-only bound: every weight matrix (and the LM head) times N rows, 20 decode steps' worth
 linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 mats = [(m.weight, m.bias) for m in linears] + ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
 xs = [torch.randn(N, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
@@ -144,9 +133,36 @@ def matmuls(steps=20):
             F.linear(x, w, b)
 
 
-bound = N * 20 / best_time(matmuls, max(args.repeats, 5))
-rows.append(("matmul-only bound", bound, bound))
-results["matmul_bound"] = bound
+jobs["matmul-only bound", 0.0] = (matmuls, N * 20)
+best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
+tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
+
+
+def pair(label):
+    return {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]}
+
+
+for P_, G_, new_ in settings:
+    results[f"ours_{P_}x{G_}x{new_}"] = pair(f"ours {P_}x{G_}x{new_}")
+if hf_label:
+    results["transformers"] = pair(hf_label)
+bound = results["matmul_bound"] = tps["matmul-only bound", 0.0]
+rows = [(label, *pair(label).values()) for label, T in jobs if T == 1.0] + [("matmul-only bound", bound, bound)]
+
+
+# --------------------------------------------------------------------------------------- naive, no cache
+@torch.no_grad()
+def naive(T):
+    seq = prompt_ids.repeat_interleave(G, 0)                                   # [N, S]
+    for _ in range(args.naive_tokens):
+        logits = model(seq)[:, -1].float()                                       # the whole sequence, every step
+        tok = logits.argmax(-1) if T == 0 else torch.multinomial(logits.softmax(-1), 1)[:, 0]
+        seq = torch.cat((seq, tok[:, None]), 1)
+
+
+nv = [N * args.naive_tokens / t for t in best_times({T: partial(naive, T) for T in (0.0, 1.0)}, 1).values()]
+rows.insert(len(settings), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
+results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
 
 # ---------------------------------------------------------------------------------------------- report
 ours = results[f"ours_{P}x{G}x{new}"]
@@ -155,7 +171,8 @@ print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.de
 print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}")
 for label, a, b in rows:
     print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}")
-if hft:
-    print(f"{'ours / transformers':<44}{ours['greedy'] / hft[0]:>13.2f}x{ours['sampling'] / hft[1]:>15.2f}x")
+hf = results.get("transformers")
+if hf:
+    print(f"{'ours / transformers':<44}{ours['greedy'] / hf['greedy']:>13.2f}x{ours['sampling'] / hf['sampling']:>15.2f}x")
 print(f"{'ours / matmul-only bound':<44}{ours['greedy'] / bound:>14.2f}{ours['sampling'] / bound:>16.2f}")
 print(json.dumps(results))

@@ -48,7 +48,7 @@ class Config:
     init_from: str = ""                 # a Hugging Face folder to start from instead of a fresh model
     device: str = "auto"                # auto: cuda:LOCAL_RANK if available, else cpu
     threads: int = 0                    # CPU threads per rank (0: torch's default); oversubscription is costly
-    wandb_mode: str = "auto"            # auto (online if logged in, else offline), online, offline, disabled
+    wandb_mode: str = "auto"            # auto: $WANDB_MODE if set, else online if logged in, else offline
     wandb_project: str = "grpo-from-scratch"
     # --- fresh model (Llama-style; ignored with init_from)
     n_layers: int = 4
@@ -651,6 +651,8 @@ class Trainer:
         os.replace(path + ".tmp", path)
         self.log_file = open(path, "a")
         mode = self.cfg.wandb_mode
+        if mode == "auto":  # W&B's own WANDB_MODE decides when set (CI sets disabled)
+            mode = os.environ.get("WANDB_MODE") or "auto"
         if mode != "disabled":
             import wandb
             if mode == "auto":

@@ -165,6 +165,23 @@ def fake_trainer(monkeypatch, outcomes, **kw):
     return tr
 
 
+def test_wandb_auto_follows_WANDB_MODE(monkeypatch, tmp_path):
+    import wandb
+    monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw["mode"]))
+    monkeypatch.setattr(wandb, "login", lambda **kw: False)  # no stored credentials
+    inits = []
+    for env, want in [("disabled", []), ("offline", ["offline"]), ("online", ["online"]), (None, ["offline"])]:
+        if env is None:
+            monkeypatch.delenv("WANDB_MODE", raising=False)
+        else:
+            monkeypatch.setenv("WANDB_MODE", env)
+        inits.clear()
+        tr = fake_trainer(monkeypatch, lambda pid: [0] * 8, wandb_mode="auto", out_dir=tmp_path / str(env))
+        tr.start_logging(0)
+        tr.log_file.close()
+        assert inits == want, env
+
+
 def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch):
     # even problem ids are informative (1 of 4 right), odd ids are all wrong: half of each draw is kept
     tr = fake_trainer(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],

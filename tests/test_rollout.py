@@ -207,3 +207,12 @@ def test_bfloat16_model_runs():
     g = generate(m, PROMPTS, 1, 8, 0.0, stop_ids=STOP)
     assert torch.isfinite(g.logprobs).all()
 
+
+
+def test_inference_mode_samples_what_no_grad_samples():
+    m = tiny()
+    with torch.inference_mode():
+        a = generate(m, PROMPTS, 3, 8, 0.8, 5, 0.9, stop_ids=STOP, seed=3)
+    b = generate(m, PROMPTS, 3, 8, 0.8, 5, 0.9, stop_ids=STOP, seed=3)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert a.lengths.min() < 8  # some rows stopped, so compaction ran under inference mode too

@@ -208,7 +208,6 @@ def test_bfloat16_model_runs():
     assert torch.isfinite(g.logprobs).all()
 
 
-
 def test_inference_mode_samples_what_no_grad_samples():
     m = tiny()
     with torch.inference_mode():

@@ -15,10 +15,11 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
   5. When the live rows have fallen to 3/4 of the batch since the last compaction, drop the done rows from the
      batch and the cache (a copy, so not every step); stop when no row is live or after max_new_tokens.
 
-Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. The trainer
-must score tokens the same way, sampling_logprobs(logits, tokens, T, top_k, top_p), or the importance ratio
-π/π_old starts away from 1 (sampling at T = 0.7 and training on the raw softmax is a known bug). Greedy (T = 0)
-takes the argmax of the raw logits and records log_softmax(raw logits) at it; top_k/top_p do not apply.
+Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. score() is
+generate's twin on the trainer side: one causal forward over prompt + completion, the same filter_logits, so the
+trainer's π (and π_old) of a token is the sampler's, and the importance ratio π/π_old starts at 1 (sampling at
+T = 0.7 and training on the raw softmax is a known bug). Greedy (T = 0) takes the argmax of the raw logits and
+records log_softmax(raw logits) at it; top_k/top_p do not apply.
 
   python rollout.py --ckpt DIR --prompt "12+7=" --n 4 --max_new_tokens 64 --temperature 0.7 --top_p 0.95 --seed 0
 """
@@ -108,12 +109,39 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     return z
 
 
-def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V], tokens [...] -> float32 log-probs [...] under the distribution generate() samples from
-    (and records) with the same settings. Differentiable: the trainer's π and π_old for the GRPO ratio."""
-    z = filter_logits(logits, temperature, top_k, top_p)
-    return z.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
+    """Right-pad lists to the longest -> [n, T] (T = 1 for an empty batch of empty lists)."""
+    T = max(map(len, seqs), default=1)
+    return torch.tensor([list(s) + [pad] * (T - len(s)) for s in seqs], dtype=dtype).view(len(seqs), T)
+
+
+def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float, top_k: int = 0,
+          top_p: float = 1.0, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate's twin for the trainer: comps [n, L] (right-padded) after their prompts -> (log π(o_t | q, o_<t)
+    [n, L] float32, differentiable; entropy of π at each position [n, L], no grad, for logging), where π is the
+    distribution generate samples from with the same settings. Rows are prompt + completion right-padded, so the
+    plain causal path runs with no mask at all; the log-softmax is taken `chunk` rows at a time."""
+    dev = model.model.embed_tokens.weight.device
+    n, L = comps.shape
+    plen = torch.tensor([len(p) for p in prompts], device=dev)
+    seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev)           # [n, T]
+    logits = model(seqs[:, :-1]).float()                                                 # [n, T-1, V]
+    pos = (plen[:, None] - 1 + torch.arange(L, device=dev)).clamp(max=seqs.shape[1] - 2)  # [n, L]
+    logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))           # [n, L, V]
+    if top_k or top_p < 1:  # a truncated, renormalised distribution: score exactly that one
+        logits = filter_logits(logits, temperature, top_k, top_p)
+    elif temperature > 0:
+        logits = logits / temperature
+    targets, logp, ent = comps.to(dev), [], []
+    for i in range(0, n, chunk):  # only a [chunk, L, V] float32 copy at a time, never a full log-softmax
+        z = logits[i:i + chunk].float()
+        logp.append(z.gather(-1, targets[i:i + chunk, :, None])[..., 0] - z.logsumexp(-1))
+    with torch.no_grad():
+        for i in range(0, n, chunk):
+            z = logits[i:i + chunk].float()
+            lz = z - z.logsumexp(-1, keepdim=True)  # −Σ p log p on normalised log-probs: no cancellation when peaked
+            ent.append(-(lz.exp() * lz).sum(-1))
+    return torch.cat(logp), torch.cat(ent)
 
 
 def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):

@@ -25,25 +25,46 @@ Hint format. Synthetic tasks (a char vocabulary "0123456789+-*/()=;#> "): "#<gol
 "the answer is 3". Countdown has no useful hint (its gold answer is the target, already in the prompt), so it
 runs without rationalisation. gsm8k / math: the question is followed by "The answer is <gold>. Explain why."
 
-Not supported: --resume (start a new run from a checkpoint with --init_from instead).
+Its own entry point and config (StarConfig: train.Config plus the expert-iteration fields below); the pieces are
+train.py's: sample_groups, the verifier's scores, sft_update, evaluate. Not supported: --resume (start a new run
+from a checkpoint with --init_from instead).
 
-  python train.py --config configs/star.toml --threads=1
-  python train.py --config configs/rft.toml --threads=1
-  torchrun --standalone --nproc_per_node=2 train.py --config configs/star.toml
+  python star.py --config configs/star.toml --threads=1
+  python star.py --config configs/rft.toml --threads=1
+  torchrun --standalone --nproc_per_node=2 star.py --config configs/star.toml
 """
 import dataclasses
 import json
 import random
+import sys
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-import grpo
+import infra
 import tasks
+import train
 import verify
-from train import Config, Task, Trainer, all_sum, seed_of
+from tasks import seed_of
 
 HINT = "The answer is {gold}. Explain why."  # gsm8k / math rationalisation hint (STaR §3.2)
+
+
+@dataclass
+class StarConfig(train.Config):
+    algo: str = "star"                  # star (STaR, from the base each iteration, rationalise) | rft (R1 §2.3.3)
+    expert_iters: int = 3               # STaR §3.1 Alg. 1: outer loops of sample → filter → fine-tune
+    expert_samples: int = 8             # k samples per training problem (R1 §2.3.3 rejection sampling)
+    expert_max_per_problem: int = 0     # at most m kept (deduplicated) samples per problem, 0: all (R1 §2.3.3)
+    expert_sft_steps: int = 100         # fine-tune steps per iteration (STaR §4: 40 at first, +20% per iteration)
+    expert_lr: float = 1e-4             # fine-tune learning rate (STaR §4: constant); 1e-3 degraded the demo model
+    expert_from_base: bool = True       # STaR §3.1: fine-tune the cold-start model each iteration (star only)
+    rationalize: bool = True            # STaR §3.2: retry unsolved problems with the answer as a hint (star only)
+    hint_sft_frac: float = 0.0          # STaR §3.2 (hinted few-shot examples): share of hinted cold-start prompts
+
+    CHOICES: ClassVar[dict] = {**train.Config.CHOICES, "algo": ("star", "rft")}
 
 
 def hint_prompt(p: tasks.Problem, task: str) -> str:
@@ -55,7 +76,7 @@ def hint_prompt(p: tasks.Problem, task: str) -> str:
     raise ValueError(f"no answer hint for task {task!r} (countdown's gold is its target, already in the prompt)")
 
 
-def check(cfg: Config):
+def check(cfg: StarConfig):
     errors = [(cfg.resume, "resume is not supported for star/rft; start from a checkpoint with --init_from"),
               (cfg.task in ("arithmetic", "countdown") and cfg.train_size <= 0,
                "star/rft sample a fixed pool of training problems: set train_size > 0"),
@@ -68,10 +89,10 @@ def check(cfg: Config):
             raise SystemExit(f"error: {msg}")
 
 
-def keep(g: dict, template: str, max_per_problem: int) -> list[int]:
+def keep(g: train.Group, template: str, max_per_problem: int) -> list[int]:
     """Step 2: indices of the samples of one group the verifier accepts, deduplicated, at most m of them."""
     out, seen = [], set()
-    for i, (text, ok, cut) in enumerate(zip(g["texts"], g["correct"], g["truncated"])):
+    for i, (text, ok, cut) in enumerate(zip(g.texts, g.scores, g.truncated)):
         if ok >= 1 and not cut and (template != "r1" or verify.format_reward(text) >= 1) and text not in seen:
             seen.add(text)
             out.append(i)
@@ -84,32 +105,33 @@ def steps_ok(text: str) -> bool:
     return bool(steps) and all(ok for _, ok in steps)
 
 
-def sample(tr: Trainer, problems: list, keys: tuple) -> list[dict]:
+def sample(run: train.Run, problems: list, keys: tuple) -> list[train.Group]:
     """k samples per problem, in batches of prompts_per_step problems; groups in the order of `problems`."""
-    cfg, out, n = tr.cfg, [], max(1, tr.cfg.prompts_per_step)
+    cfg, out, n = run.cfg, [], max(1, run.cfg.prompts_per_step)
     for a in range(0, len(problems), n):
-        out += tr.rollouts(problems[a:a + n], cfg.expert_samples, cfg.temperature, (*keys, a), cfg.max_new_tokens)
+        out += train.sample_groups(run, problems[a:a + n], cfg.expert_samples, cfg.temperature, (*keys, a),
+                                   cfg.max_new_tokens)
     return out
 
 
-def collect(tr: Trainer, pool: list, it: int) -> tuple[list, dict]:
+def collect(run: train.Run, pool: list, it: int) -> tuple[list, dict]:
     """Steps 1-3: (prompt ids, completion ids) pairs for fine-tuning, and the iteration's statistics."""
-    cfg = tr.cfg
+    cfg = run.cfg
     data, unsolved, n_samples, n_correct, ok = [], [], 0, 0.0, [[], []]  # ok: steps_ok of kept [plain, hinted]
-    for (pid, p), g in zip(pool, sample(tr, pool, (cfg.seed, it, 0))):
+    for (pid, p), g in zip(pool, sample(run, pool, (cfg.seed, it, 0))):
         kept = keep(g, cfg.template, cfg.expert_max_per_problem)
-        data += [(g["prompt"], g["comps"][i]) for i in kept]
-        ok[0] += [steps_ok(g["texts"][i]) for i in kept]
-        n_samples, n_correct = n_samples + len(g["correct"]), n_correct + sum(g["correct"])
+        data += [(g.prompt, g.comps[i]) for i in kept]
+        ok[0] += [steps_ok(g.texts[i]) for i in kept]
+        n_samples, n_correct = n_samples + len(g.scores), n_correct + sum(g.scores)
         if not kept:
             unsolved.append((pid, p))
     rescued, rationalise = 0, cfg.algo == "star" and cfg.rationalize
     if rationalise and unsolved:
         hinted = [(pid, dataclasses.replace(p, prompt=hint_prompt(p, cfg.task))) for pid, p in unsolved]
-        for (pid, p), g in zip(unsolved, sample(tr, hinted, (cfg.seed, it, 1))):
+        for (pid, p), g in zip(unsolved, sample(run, hinted, (cfg.seed, it, 1))):
             kept = keep(g, cfg.template, cfg.expert_max_per_problem)
-            data += [(tr.task.prompt_ids(p), g["comps"][i]) for i in kept]  # the hint is stripped here
-            ok[1] += [steps_ok(g["texts"][i]) for i in kept]
+            data += [(run.task.prompt_ids(p), g.comps[i]) for i in kept]  # the hint is stripped here
+            ok[1] += [steps_ok(g.texts[i]) for i in kept]
             rescued += bool(kept)
     stats = {"expert/solved": (len(pool) - len(unsolved)) / len(pool), "expert/rescued": rescued / len(pool),
              "expert/dataset_size": len(data), "expert/sample_accuracy": n_correct / max(1, n_samples)}
@@ -120,7 +142,7 @@ def collect(tr: Trainer, pool: list, it: int) -> tuple[list, dict]:
     return data, stats
 
 
-def batches(cfg: Config, n: int, it: int):
+def batches(cfg: StarConfig, n: int, it: int):
     """expert_sft_steps batches of indices into the data set: seeded shuffles, without replacement per epoch."""
     order, epoch, B = [], 0, cfg.sft_batch_size
     while len(order) < cfg.expert_sft_steps * B and n:
@@ -130,81 +152,65 @@ def batches(cfg: Config, n: int, it: int):
     return [order[s * B:(s + 1) * B] for s in range(cfg.expert_sft_steps if n else 0)]
 
 
-def finetune_step(tr: Trainer, prompts: list, comps: list, opt, sched) -> dict:
-    """One optimizer step of token-mean NLL on a GLOBAL batch (identical on every rank): each rank takes its
-    rows [rank::world]; the loss is normalised by the global token count, so any rank count gives one gradient."""
-    mine = list(range(tr.rank, len(prompts), tr.world))
-    prompts, comps = [prompts[i] for i in mine], [comps[i] for i in mine]
-    norm = all_sum(torch.tensor(float(sum(map(len, comps))), device=tr.device))  # global loss-token count
-
-    def loss_fn(rows, logp, ent):
-        lens = torch.tensor([len(comps[i]) for i in rows] or [0], device=logp.device)  # [n]; a dummy pass: 0
-        mask = torch.arange(logp.shape[1], device=logp.device) < lens[:, None]            # [n, L]
-        loss = grpo.sft_loss(logp, mask, loss_scale=norm)
-        return loss, {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm}
-    m = {k: all_sum(v) for k, v in tr.accumulate(prompts, comps, loss_fn, 0.0).items()}
-    return {**m, "train/grad_norm": tr.optimizer_step(opt, sched), "train/lr": sched.get_last_lr()[0]}
-
-
-def cold_start_batch(tr: Trainer, task: Task) -> tuple[list, list]:
-    """Step 0: the cold-start batch of Trainer.sft_step (the GLOBAL batch), a seeded hint_sft_frac share hinted."""
-    cfg, B = tr.cfg, tr.cfg.sft_batch_size
-    ks = range(tr.sft_cursor, tr.sft_cursor + B)
-    probs = [task.problem("sft", k)[1] for k in ks]
-    tr.sft_cursor += B
+def cold_start_batch(run: train.Run, task: tasks.Task, state: train.TrainState) -> tuple[list, list]:
+    """Step 0: train.py's cold-start batch (the GLOBAL batch), a seeded hint_sft_frac share of the prompts hinted."""
+    cfg, ks = run.cfg, range(state.sft_cursor, state.sft_cursor + run.cfg.sft_batch_size)
+    probs, prompts, comps = train.cold_start_batch(task, state, cfg.sft_batch_size)
     hinted = [random.Random(seed_of(cfg.seed, k, 8)).random() < cfg.hint_sft_frac for k in ks]
-    probs_in = [dataclasses.replace(p, prompt=hint_prompt(p, cfg.task)) if h else p for p, h in zip(probs, hinted)]
-    prompts = [tr.task.prompt_ids(p) for p in probs_in]
-    comps = [tr.tok.encode(task.demo(k, p), add_special_tokens=False).ids + tr.task.stop_ids[:1]
-             for k, p in zip(ks, probs)]
+    prompts = [task.prompt_ids(dataclasses.replace(p, prompt=hint_prompt(p, cfg.task))) if h else ids
+               for p, ids, h in zip(probs, prompts, hinted)]
     return prompts, comps
 
 
-def main(cfg: Config) -> dict:
+def main(cfg: StarConfig) -> dict:
     check(cfg)
-    # the console ETA counts the fine-tune steps as the "rl" stage
-    cfg = dataclasses.replace(cfg, rl_steps=cfg.expert_iters * cfg.expert_sft_steps)
-    tr, stage = Trainer(cfg), cfg.algo
-    tr.start_logging(0)
-    if tr.rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {tr.world}, device {tr.device}, "
+    run, state, stage = train.build_run(cfg), train.TrainState(), cfg.algo
+    total = cfg.sft_steps + cfg.expert_iters * cfg.expert_sft_steps  # for the console's ETA
+    logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, 0, total)
+    if run.proc.rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {run.proc.world}, device {run.proc.device}, "
               f"algo {stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune", flush=True)
     # ---------------------------------------------------------------------------- step 0: cold start
-    sft_task = Task(dataclasses.replace(cfg, train_size=0), tr.tok)  # train_size bounds the pool, not the cold start
-    opt, sched = tr.make_optimizer(cfg.sft_lr, cfg.sft_steps)
+    sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids)  # train_size bounds
+    opt, sched = train.make_optimizer(run, cfg.sft_lr, cfg.sft_steps)                     # the pool, not this
     for step in range(1, cfg.sft_steps + 1):
-        tr.log(step, "sft", finetune_step(tr, *cold_start_batch(tr, sft_task), opt, sched))
+        logger.log(step, "sft", train.sft_update(run, opt, sched, *cold_start_batch(run, sft_task, state)))
     step = cfg.sft_steps
-    results = {"sft": tr.evaluate(step, "sft")}
-    tr.log(step, "sft", results["sft"])
-    base = [p.detach().clone() for p in tr.model.parameters()]  # M_0 (this rank's shards under FSDP)
-    n_pool = cfg.train_size if cfg.train_size > 0 else len(tr.task.train)
-    pool = [tr.task.problem("rl", i) for i in range(n_pool)]
+    results = {"sft": train.evaluate(run, step, logger)}
+    logger.log(step, "sft", results["sft"])
+    base = [p.detach().clone() for p in run.model.parameters()]  # M_0 (this rank's shards under FSDP)
+    n_pool = cfg.train_size if cfg.train_size > 0 else len(run.task.train)
+    pool = [run.task.problem("rl", i) for i in range(n_pool)]
     # ---------------------------------------------------------------------------- steps 1-4: iterations
     t_start = time.time()
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
-        data, stats = collect(tr, pool, it)
+        data, stats = collect(run, pool, it)
         t1 = time.time()
         if cfg.algo == "star" and cfg.expert_from_base:
             with torch.no_grad():
-                for p, b in zip(tr.model.parameters(), base):
+                for p, b in zip(run.model.parameters(), base):
                     p.copy_(b)
-        opt, sched = tr.make_optimizer(cfg.expert_lr, cfg.expert_sft_steps)
+        opt, sched = train.make_optimizer(run, cfg.expert_lr, cfg.expert_sft_steps)
         losses = []
         for s, idx in enumerate(batches(cfg, len(data), it)):
-            rec = finetune_step(tr, [data[i][0] for i in idx], [data[i][1] for i in idx], opt, sched)
-            rec = {k: float(v) for k, v in rec.items()}  # the one host sync of the step
+            rec = train.sft_update(run, opt, sched, [data[i][0] for i in idx], [data[i][1] for i in idx])
+            rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging
             losses.append(rec["train/loss"])
-            tr.log(step + s + 1, stage, rec)
+            logger.log(step + s + 1, stage, rec)
         step += cfg.expert_sft_steps
-        if tr.rank == 0:
+        if run.proc.rank == 0:
             print(f"iteration {it}: " + " ".join(f"{k[7:]} {v:.3f}" for k, v in stats.items()) +
                   f" | sample {t1 - t0:.1f}s, fine-tune {time.time() - t1:.1f}s", flush=True)
-        results[stage] = tr.evaluate(step, stage)
-        tr.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
-                             "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
-        tr.save(step, stage, opt, sched)
-        if tr.out_of_time(t_start):  # same wall-clock budget as an RL run
+        results[stage] = train.evaluate(run, step, logger)
+        logger.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
+                                 "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
+        train.save(run, state, step, stage, opt, sched)
+        if infra.any_rank(0 < cfg.rl_minutes < (time.time() - t_start) / 60, run.proc.device):  # RL's time budget
             break
-    return tr.finish(results)
+    return logger.finish(results)
+
+
+if __name__ == "__main__":
+    main(train.parse_args(sys.argv[1:], StarConfig))
+    infra.teardown()

@@ -14,6 +14,9 @@
    "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so problem i never
    depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
 4. load_gsm8k / load_math read JSONL files; render_prompt wraps a question in a template.
+5. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
+   prompts as token ids, its cold-start targets and the verifier's score of a completion. seed_of(*keys) hashes
+   integers into a seed that is the same on any number of ranks.
 
 CHARS holds every character an arithmetic or countdown prompt or solution can contain (a char-level vocabulary).
 
@@ -25,6 +28,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+import verify
 from verify import MAX_EXPR, eval_arith, extract_answer
 
 CHARS = "0123456789+-*/()=;#> "
@@ -164,3 +168,73 @@ def render_prompt(question: str, template: str = "plain") -> str:
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; valid: {', '.join(TEMPLATES)}")
     return TEMPLATES[template].format(question=question)
+
+
+def seed_of(*keys) -> int:
+    """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any rank count."""
+    h = 0x9E3779B97F4A7C15
+    for k in keys:  # splitmix64 over the keys
+        h = (h ^ (k & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
+class Task:
+    """Problems by index, prompts as token ids, cold-start targets, and the verifier's score of a completion.
+    cfg is any object with train.Config's task fields; tok a tokenizers.Tokenizer; stop_ids end a completion."""
+
+    def __init__(self, cfg, tok, stop_ids: list[int]):
+        self.cfg, self.tok, self.stop_ids = cfg, tok, list(stop_ids)
+        if not self.stop_ids:
+            raise ValueError("the tokenizer has no end-of-sequence token")
+        if cfg.task in ("gsm8k", "math"):
+            load = load_gsm8k if cfg.task == "gsm8k" else load_math
+            self.train = load(cfg.train_file)
+            self.heldout = load(cfg.eval_file)[:cfg.eval_n]
+        elif cfg.task in ("arithmetic", "countdown"):
+            self.heldout = [self.synthetic(cfg.eval_seed, i, cfg.eval_min_ops, cfg.eval_max_ops)
+                            for i in range(cfg.eval_n)]
+        else:
+            raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k or math")
+        self.heldout_prompts = {p.prompt for p in self.heldout}
+
+    def synthetic(self, seed, i, lo, hi) -> Problem:
+        if self.cfg.task == "countdown":
+            return countdown(seed, i)
+        return arithmetic(seed, i, min_ops=lo, max_ops=hi, max_operand=self.cfg.max_operand,
+                          max_value=self.cfg.max_value, ops=self.cfg.ops)
+
+    def problem(self, stage: str, k: int) -> tuple[int, Problem]:
+        """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts never appear."""
+        cfg = self.cfg
+        if cfg.task in ("gsm8k", "math"):
+            epoch, j = divmod(k, len(self.train))
+            order = list(range(len(self.train)))
+            random.Random(seed_of(cfg.seed, epoch)).shuffle(order)
+            return order[j], self.train[order[j]]
+        lo, hi = (cfg.sft_min_ops, cfg.sft_max_ops) if stage == "sft" else (cfg.rl_min_ops, cfg.rl_max_ops)
+        seed = seed_of(cfg.seed, stage == "sft")
+        pid = k % cfg.train_size if cfg.train_size else k
+        p = self.synthetic(seed, pid, lo, hi)
+        while p.prompt in self.heldout_prompts:  # deterministic re-draw keeps the held-out set unseen
+            pid += 1 << 40
+            p = self.synthetic(seed, pid, lo, hi)
+        return pid, p
+
+    def cold_start_target(self, k: int, p: Problem) -> str:
+        """The k-th cold-start target: the worked solution, or (a seeded sft_direct_frac share) the bare answer."""
+        direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
+        return f"#### {p.gold}" if direct else p.solution
+
+    def prompt_ids(self, p: Problem) -> list[int]:
+        return self.tok.encode(render_prompt(p.prompt, self.cfg.template)).ids
+
+    def target_ids(self, text: str) -> list[int]:
+        """A supervised completion: its ids and the end-of-sequence token."""
+        return self.tok.encode(text, add_special_tokens=False).ids + self.stop_ids[:1]
+
+    def text(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def score(self, text: str, p: Problem) -> float:
+        return countdown_reward(text, p) if self.cfg.task == "countdown" else verify.reward(text, p.gold)

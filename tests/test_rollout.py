@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model import KVCache, ModelConfig, Transformer
-from rollout import generate, mix64, sample, sampling_logprobs, uniform
+from rollout import filter_logits, generate, mix64, pad_batch, sample, score, uniform
 
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
@@ -89,10 +89,14 @@ def test_row_in_batch_equals_row_alone(T, k, p, index_rows_sizes):
 def test_recorded_logprobs_match_full_forward(T, k, p):
     m = tiny()
     r = generate(m, PROMPTS, 3, 12, T, k, p, stop_ids=STOP, seed=7)
+    prompts = [PROMPTS[i // 3] for i in range(len(r.completion_ids))]
+    trainer, _ = score(m, prompts, pad_batch(rows_of(r)), T, k, p)  # the trainer's twin: one causal forward
     for i, comp in enumerate(rows_of(r)):
         logits = full_logits(m, PROMPTS[i // 3], comp)
-        ref = sampling_logprobs(logits, torch.tensor(comp), T, k, p)
+        logp = filter_logits(logits, T, k, p).log_softmax(-1)  # [len, V]
+        ref = logp.gather(-1, torch.tensor(comp)[:, None])[:, 0]
         assert (r.logprobs[i, :len(comp)] - ref).abs().max() < 1e-5
+        assert (trainer[i, :len(comp)] - ref).abs().max() < 1e-5
         if (k, p) == (0, 1.0) and T in (0, 1):  # unfiltered T = 1, and greedy: the plain softmax
             plain = logits.log_softmax(-1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
             assert (r.logprobs[i, :len(comp)] - plain).abs().max() < 1e-5

@@ -27,15 +27,18 @@ def records(out_dir):
         return [json.loads(ln) for ln in f]
 
 
+def parse(args):
+    return train.parse_args(args, star.StarConfig)
+
+
 def trainer(tmp_path, *args):
-    tr = train.Trainer(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--train_size=4", "--sft_direct_frac=0",
-                                         "--expert_samples=4", "--prompts_per_step=4", *args]))
-    tr.sft_cursor = 0
-    return tr
+    return train.build_run(parse(["--config", SMOKE, f"--out_dir={tmp_path}", "--train_size=4", "--sft_direct_frac=0",
+                                  "--expert_samples=4", "--prompts_per_step=4", *args]))
 
 
 def group(texts, correct, truncated=None):
-    return {"texts": texts, "correct": correct, "truncated": truncated or [False] * len(texts)}
+    n = len(texts)
+    return train.Group(0, 0, None, [], [], texts, [], truncated or [False] * n, correct)
 
 
 def test_hint_prompt_formats():
@@ -59,14 +62,15 @@ def test_keep_is_verified_finished_deduplicated_and_capped():
 
 
 def enc(tr, text):  # a completion as the sampler returns it: its ids and the stop token
-    return tr.tok.encode(text, add_special_tokens=False).ids + tr.task.stop_ids[:1]
+    return tr.task.tok.encode(text, add_special_tokens=False).ids + tr.task.stop_ids[:1]
 
 
-def fake_rollouts(tr, outcomes, calls):
-    """Trainer.rollouts with outcomes(problem position, hinted, problem) -> [(text, truncated)], scored by the task."""
+def fake_rollouts(tr, outcomes, calls, monkeypatch):
+    """train.sample_groups with outcomes(problem position, hinted, problem) -> [(text, truncated)], scored by the
+    task."""
     pool = [tr.task.problem("rl", i)[1].prompt for i in range(tr.cfg.train_size)]
 
-    def rollouts(problems, G, temperature, seed_keys, max_new_tokens):
+    def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens):
         calls.append([p.prompt for _, p in problems])
         out = []
         for j, (pid, p) in enumerate(problems):
@@ -74,11 +78,10 @@ def fake_rollouts(tr, outcomes, calls):
             res = outcomes(pool.index(p.prompt.split("#")[-1]), hinted, p)
             assert len(res) == G
             texts = [t for t, _ in res]
-            out.append(dict(pos=j, pid=pid, problem=p, prompt=tr.task.prompt_ids(p), texts=texts,
-                            comps=[enc(tr, t) for t in texts],
-                            truncated=[c for _, c in res], correct=[tr.task.score(t, p) for t in texts]))
+            out.append(train.Group(j, pid, p, tr.task.prompt_ids(p), [enc(tr, t) for t in texts], texts, [],
+                                   [c for _, c in res], [tr.task.score(t, p) for t in texts]))
         return out
-    tr.rollouts = rollouts
+    monkeypatch.setattr(train, "sample_groups", sample_groups)
 
 
 def right(p, k=0):
@@ -93,7 +96,7 @@ def wrong(p):
     return f"0+0=0 #### {int(p.gold) + 1}"
 
 
-def test_star_rationalises_only_unsolved_and_strips_the_hint(tmp_path):
+def test_star_rationalises_only_unsolved_and_strips_the_hint(tmp_path, monkeypatch):
     tr = trainer(tmp_path, "--algo=star")
     pool = [tr.task.problem("rl", i) for i in range(4)]
 
@@ -104,7 +107,7 @@ def test_star_rationalises_only_unsolved_and_strips_the_hint(tmp_path):
         return {0: [(wrong(p), False), (right(p), False), (right(p), False), (wrong(p), False)],
                 3: [(right(p), True)] + [(wrong(p), False)] * 3}.get(i, [(wrong(p), False)] * 4)
     calls = []
-    fake_rollouts(tr, outcomes, calls)
+    fake_rollouts(tr, outcomes, calls, monkeypatch)
     data, stats = star.collect(tr, pool, 1)
     assert calls == [[p.prompt for _, p in pool], [star.hint_prompt(pool[i][1], "arithmetic") for i in (1, 2, 3)]]
     p = [q for _, q in pool]
@@ -116,7 +119,7 @@ def test_star_rationalises_only_unsolved_and_strips_the_hint(tmp_path):
                      "expert/sample_accuracy": 3 / 16, "expert/steps_ok": 1.0, "expert/rescued_steps_ok": 0.5}
 
 
-def test_rft_keeps_exactly_the_verified_capped_deduplicated_samples(tmp_path):
+def test_rft_keeps_exactly_the_verified_capped_deduplicated_samples(tmp_path, monkeypatch):
     tr = trainer(tmp_path, "--algo=rft", "--expert_max_per_problem=2")
     pool = [tr.task.problem("rl", i) for i in range(4)]
 
@@ -127,7 +130,7 @@ def test_rft_keeps_exactly_the_verified_capped_deduplicated_samples(tmp_path):
                 [(wrong(p), False)] * 4,
                 [(right(p, 4), False), (wrong(p), False), (right(p, 5), False), (wrong(p), False)]][i]
     calls = []
-    fake_rollouts(tr, outcomes, calls)
+    fake_rollouts(tr, outcomes, calls, monkeypatch)
     data, stats = star.collect(tr, pool, 1)
     p = [q for _, q in pool]
     want = [(0, right(p[0])), (0, right(p[0], 1)), (1, right(p[1], 3)), (3, right(p[3], 4)), (3, right(p[3], 5))]
@@ -136,15 +139,15 @@ def test_rft_keeps_exactly_the_verified_capped_deduplicated_samples(tmp_path):
 
 
 def test_cold_start_mixes_hints_and_batches_are_seeded(tmp_path):
-    tr = trainer(tmp_path, "--hint_sft_frac=0.5", "--sft_batch_size=64")
-    prompts, comps = star.cold_start_batch(tr, tr.task)
+    tr, state = trainer(tmp_path, "--hint_sft_frac=0.5", "--sft_batch_size=64"), train.TrainState()
+    prompts, comps = star.cold_start_batch(tr, tr.task, state)
     hinted = sum(tr.task.text(p).startswith("#") for p in prompts)
-    assert 16 < hinted < 48 and tr.sft_cursor == 64
+    assert 16 < hinted < 48 and state.sft_cursor == 64
     probs = [tr.task.problem("sft", i)[1] for i in range(64)]
     for p, c, q in zip(prompts, comps, probs):  # a hinted prompt keeps its problem's worked solution
         assert tr.task.text(p) in (q.prompt, star.hint_prompt(q, "arithmetic"))
         assert c == enc(tr, q.solution)  # sft_direct_frac = 0: the worked solution
-    cfg = train.Config(sft_batch_size=4, expert_sft_steps=5)
+    cfg = star.StarConfig(sft_batch_size=4, expert_sft_steps=5)
     b = star.batches(cfg, 6, 1)
     assert b == star.batches(cfg, 6, 1) and len(b) == 5 and all(len(x) == 4 for x in b)
     flat = [i for x in b for i in x]
@@ -156,7 +159,7 @@ def test_config_errors():
     for args, msg in [(["--train_size=0"], "train_size > 0"), (["--resume"], "resume"),
                       (["--task=countdown"], "countdown has no answer hint")]:
         with pytest.raises(SystemExit, match=msg):
-            star.check(train.parse_args(["--algo=star", "--train_size=4", *args]))
+            star.check(parse(["--algo=star", "--train_size=4", *args]))
 
 
 @pytest.mark.parametrize("algo", ["star", "rft"])
@@ -165,7 +168,7 @@ def test_micro_run_logs_iterations(tmp_path, algo, monkeypatch):
     real = star.collect
     monkeypatch.setattr(star, "collect", lambda tr, pool, it: seen.append(real(tr, pool, it)) or seen[-1])
     out = tmp_path / algo
-    results = train.main(train.parse_args(MICRO + [f"--algo={algo}", f"--out_dir={out}"]))
+    results = star.main(parse(MICRO + [f"--algo={algo}", f"--out_dir={out}"]))
     recs = records(out)
     assert [r["step"] for r in recs if r["stage"] == "sft" and "train/loss" in r] == list(range(1, 61))
     it = [r for r in recs if "expert/iteration" in r]
@@ -189,7 +192,7 @@ def test_two_ranks_match_one_rank(tmp_path):
                                                                                 # grows with steps at lr 2e-2
     for name, launcher in [("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
                                                                "--standalone", "--nproc_per_node=2"])]:
-        p = subprocess.run(launcher + [os.path.join(ROOT, "train.py")] + args + [f"--out_dir={tmp_path / name}"],
+        p = subprocess.run(launcher + [os.path.join(ROOT, "star.py")] + args + [f"--out_dir={tmp_path / name}"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
@@ -207,8 +210,8 @@ def test_cold_start_is_the_grpo_cold_start(tmp_path):
     """With no hints, star.py's cold start (its own loop, train_size not applied) logs what train.py's SFT logs."""
     args = ["--config", SMOKE, "--threads=1", "--sft_steps=4", "--eval_n=8", "--eval_k=2"]
     train.main(train.parse_args(args + ["--rl_steps=0", f"--out_dir={tmp_path / 'grpo'}"]))
-    train.main(train.parse_args(args + ["--algo=rft", "--train_size=4", "--expert_iters=1", "--expert_samples=1",
-                                        "--expert_sft_steps=0", f"--out_dir={tmp_path / 'rft'}"]))
+    star.main(parse(args + ["--algo=rft", "--train_size=4", "--expert_iters=1", "--expert_samples=1",
+                            "--expert_sft_steps=0", f"--out_dir={tmp_path / 'rft'}"]))
     a, b = ([{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(tmp_path / d)
              if r["stage"] == "sft"] for d in ("grpo", "rft"))
     assert len(a) == 5 and [r.keys() for r in a] == [r.keys() for r in b]

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import infra
+import tasks
 import train
 from model import Transformer
 
@@ -144,25 +146,29 @@ def test_non_finite_steps_skip_then_stop_with_checkpoint_intact(tmp_path, monkey
                             "--max_bad_steps=3", "--sft_steps=8"])
     with pytest.raises(RuntimeError, match="3 non-finite steps in a row"):
         train.main(cfg)
-    assert train.complete_checkpoints(out) == [2]  # steps 3-5 were skipped, nothing bad was saved
+    assert infra.complete_checkpoints(out) == [2]  # steps 3-5 were skipped, nothing bad was saved
     m = Transformer.from_pretrained(out / "step_2")
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
-def fake_trainer(monkeypatch, outcomes, **kw):
-    """A smoke-sized Trainer whose rollouts return `outcomes(pid)` (a list of G 0/1 rewards) per problem, and
-    which records the problem ids it was asked to sample."""
-    cfg = train.parse_args(["--config", SMOKE] + [f"--{k}={v}" for k, v in kw.items()])
-    tr = train.Trainer(cfg)
-    tr.cursor, tr.memory, tr.asked = 0, {}, []
+class FakeRun:
+    """A smoke-sized Run with no model: train.sample_groups is replaced by a fake sampler whose groups score
+    `outcomes(pid)` (a list of G 0/1 rewards) per problem, and which records the problem ids it was asked for."""
 
-    def rollouts(problems, G, temperature, seed_keys, max_new_tokens):
-        tr.asked.append([pid for pid, _ in problems])
-        return [dict(pos=j, pid=pid, problem=p, prompt=[1], comps=[[3]] * G, texts=["x"] * G, truncated=[False] * G,
-                     logprobs=[torch.zeros(1)] * G, correct=list(map(float, outcomes(pid)))) for j, (pid, p) in
-                enumerate(problems)]
-    monkeypatch.setattr(tr, "rollouts", rollouts)
-    return tr
+    def __init__(self, monkeypatch, outcomes, **kw):
+        cfg = train.parse_args(["--config", SMOKE] + [f"--{k}={v}" for k, v in kw.items()])
+        self.run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None,
+                             tasks.Task(cfg, train.build_char_tokenizer(tasks.CHARS), [2]))
+        self.state, self.asked = train.TrainState(), []
+
+        def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens):
+            self.asked.append([pid for pid, _ in problems])
+            return [train.Group(j, pid, p, [1], [[3]] * G, ["x"] * G, [torch.zeros(1)] * G, [False] * G,
+                                list(map(float, outcomes(pid)))) for j, (pid, p) in enumerate(problems)]
+        monkeypatch.setattr(train, "sample_groups", sample_groups)
+
+    def collect(self, step):
+        return train.dynamic_sampling(self.run, self.state, step)
 
 
 def test_wandb_auto_follows_WANDB_MODE(monkeypatch, tmp_path):
@@ -176,18 +182,17 @@ def test_wandb_auto_follows_WANDB_MODE(monkeypatch, tmp_path):
         else:
             monkeypatch.setenv("WANDB_MODE", env)
         inits.clear()
-        tr = fake_trainer(monkeypatch, lambda pid: [0] * 8, wandb_mode="auto", out_dir=tmp_path / str(env))
-        tr.start_logging(0)
-        tr.log_file.close()
+        cfg = train.parse_args(["--config", SMOKE, "--wandb_mode=auto", f"--out_dir={tmp_path / str(env)}"])
+        infra.Logger(infra.Proc(0, 1, torch.device("cpu")), cfg.out_dir, {}, cfg.wandb_mode, "p", 0, 1).file.close()
         assert inits == want, env
 
 
 def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch):
     # even problem ids are informative (1 of 4 right), odd ids are all wrong: half of each draw is kept
-    tr = fake_trainer(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],
+    tr = FakeRun(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],
                       prompts_per_step=4, max_sample_tries=4)
     kept, stats = tr.collect(step=1)
-    assert len(kept) == 4 and all(g["pid"] % 2 == 0 for g in kept)
+    assert len(kept) == 4 and all(g.pid % 2 == 0 for g in kept)
     # try 1 draws 4 (keeps 2, rate 1/2); try 2 draws ceil(2 / 0.5) = 4 more and keeps 2: done
     assert [len(a) for a in tr.asked] == [4, 4] and stats["train/sample_tries"] == 2
     assert stats["train/discarded_rollouts"] == 4 * 4  # the 4 all-wrong groups of G = 4
@@ -195,18 +200,18 @@ def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch
 
 
 def test_dynamic_sampling_gives_up_at_the_cap(monkeypatch):
-    tr = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, max_sample_tries=3)
+    tr = FakeRun(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, max_sample_tries=3)
     kept, stats = tr.collect(step=1)
     assert kept == [] and stats["train/sample_tries"] == 3 and len(tr.asked) == 3
     assert [len(a) for a in tr.asked] == [4, 16, 16]  # refills grow to the cap of 4·P per try
-    without = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, dynamic_sampling=False)
+    without = FakeRun(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, dynamic_sampling=False)
     kept, stats = without.collect(step=1)
     assert len(kept) == 4 and stats["train/sample_tries"] == 1  # plain GRPO trains on whatever it drew
 
 
 def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
     # 3 training problems cycled; problem 0 is always solved by every sample, the others are mixed
-    tr = fake_trainer(monkeypatch, lambda pid: [1, 1, 1, 1] if pid == 0 else [1, 0, 1, 0],
+    tr = FakeRun(monkeypatch, lambda pid: [1, 1, 1, 1] if pid == 0 else [1, 0, 1, 0],
                       prompts_per_step=3, train_size=3, skip_saturated_k=2, dynamic_sampling=False)
     seen = []
     for step in range(4):
@@ -220,13 +225,13 @@ def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
 
 def test_cold_start_direct_answer_share_and_disjoint_heldout():
     cfg = train.Config(sft_direct_frac=0.5, eval_n=200)
-    task = train.Task(cfg, train.build_char_tokenizer(train.tasks.CHARS))
-    demos = [task.demo(k, task.problem("sft", k)[1]) for k in range(2000)]
+    task = tasks.Task(cfg, train.build_char_tokenizer(tasks.CHARS), [2])
+    demos = [task.cold_start_target(k, task.problem("sft", k)[1]) for k in range(2000)]
     direct = [d for d in demos if d.startswith("####")]
     assert 0.45 < len(direct) / len(demos) < 0.55  # a seeded coin per demo index
-    assert demos == [task.demo(k, task.problem("sft", k)[1]) for k in range(2000)]  # and deterministic
+    assert demos == [task.cold_start_target(k, task.problem("sft", k)[1]) for k in range(2000)]  # and deterministic
     p = task.problem("sft", 3)[1]
-    assert task.demo(3, p) in (p.solution, f"#### {p.gold}") and p.solution.endswith(f"#### {p.gold}")
+    assert task.cold_start_target(3, p) in (p.solution, f"#### {p.gold}") and p.solution.endswith(f"#### {p.gold}")
     train_prompts = {task.problem("rl", k)[1].prompt for k in range(3000)}
     assert not train_prompts & task.heldout_prompts  # the held-out set is never trained on
     assert {p.level for p in task.heldout} == {2, 3, 4}
@@ -239,4 +244,4 @@ def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     recs = records(out)
     last = max(r["step"] for r in recs)
     assert last < 6 + 10000 and recs[-1]["step"] == last and "eval/pass@1" in recs[-1]
-    assert "rl" in results and train.complete_checkpoints(out)[-1] == last
+    assert "rl" in results and infra.complete_checkpoints(out)[-1] == last

@@ -1,0 +1,250 @@
+"""The machinery a reader of train.py can skip: processes, collectives, FSDP2, checkpoints, logging.
+
+  1. setup reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process per device; nccl on CUDA, gloo on CPU);
+     teardown leaves together, so no rank tears the process group down under a peer still working.
+  2. all_sum / all_max / any_rank / all_gather_list: the collectives, no-ops at world size 1.
+  3. shard: FSDP2, each block then the root, bf16 compute with fp32 gradient reduction on CUDA; `with
+     unsharded(model):` all-gathers every parameter once for a whole rollout, not once per decoded token.
+  4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
+  5. Logger: a console line with an ETA, metrics.jsonl (one flat JSON object per line), W&B, the final table.
+"""
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from model import Transformer
+
+
+# ================================================================================================ processes
+@dataclasses.dataclass
+class Proc:
+    rank: int              # this process, 0..world-1; rank 0 logs and writes checkpoints
+    world: int             # number of processes (one per device)
+    device: torch.device
+
+
+def setup(device: str = "auto", threads: int = 0) -> Proc:
+    """Join the process group torchrun describes (or run alone); device auto: cuda:LOCAL_RANK if available."""
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    dev = torch.device(f"cuda:{local}" if cuda else "cpu" if device in ("auto", "cuda") else device)
+    if cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if threads:
+        torch.set_num_threads(threads)
+    return Proc(rank, world, dev)
+
+
+def teardown():
+    """Leave together: a rank tearing gloo down while its peer still works can abort."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted (SIGABRT) about 1 run in 12
+
+
+# ============================================================================================== collectives
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if it is true on any."""
+    return bool(all_sum(torch.tensor(float(flag), device=device)) > 0)
+
+
+def all_gather_list(items: list) -> list:
+    """Every rank's list, concatenated in rank order (picklable items)."""
+    if not dist.is_initialized():
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+# ===================================================================================================== FSDP2
+def shard(model: Transformer, proc: Proc):
+    """FSDP2: each block, then the root; bf16 compute with fp32 gradient reduction on CUDA, fp32 on CPU."""
+    if proc.world == 1:
+        return model
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if proc.device.type == "cuda" else MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=mp)
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Inside, every FSDP-sharded parameter is all-gathered once (a rollout decodes many tokens: one gather, not one
+    per token), under bf16 autocast on CUDA; resharded on exit. A no-op for a plain module on one process."""
+    mods, dev = [m for m in model.modules() if isinstance(m, FSDPModule)], model.model.embed_tokens.weight.device
+    if mods and model._get_fsdp_state()._is_root is None:
+        with torch.no_grad():  # FSDP2 initialises lazily in the first forward; an unshard() before it breaks later ones
+            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+            yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def full_state(model, opt=None, rank0_only=True):
+    """Unsharded model (and optimizer) state dicts. Under FSDP every rank must call this (it all-gathers); with
+    rank0_only the other ranks get empty dicts (cpu_offload keeps the full tensors on rank 0 only)."""
+    if not dist.is_initialized():
+        return model.state_dict(), opt and opt.state_dict()
+    opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    return (dcp.get_model_state_dict(model, options=opts), None) if opt is None else \
+        dcp.get_state_dict(model, opt, options=opts)
+
+
+def frozen_copy(model, device) -> Transformer:
+    """An unsharded, frozen copy of a (possibly sharded) model, e.g. π_ref; every rank must call it (all-gather)."""
+    ref = Transformer(model.config).to(device)
+    ref.load_state_dict({k: v.to(device) for k, v in full_state(model, rank0_only=False)[0].items()})
+    return ref.requires_grad_(False).eval()
+
+
+def load_optimizer(model, opt, sd: dict):
+    """A full (unsharded) optimizer state dict back into this rank's optimizer."""
+    if not dist.is_initialized():
+        return opt.load_state_dict(sd)
+    dcp.set_optimizer_state_dict(model, opt, sd, options=dcp.StateDictOptions(full_state_dict=True))
+
+
+# =============================================================================================== checkpoints
+def complete_checkpoints(out_dir: str) -> list[int]:
+    """Steps N of the step_N/ folders that hold a trainer_state.pt (written last, so the folder is whole)."""
+    return [int(p.split("_")[-1]) for p in glob.glob(os.path.join(out_dir, "step_*"))
+            if p.split("_")[-1].isdigit() and os.path.exists(os.path.join(p, "trainer_state.pt"))]
+
+
+def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
+    """(N, out_dir/step_N, its trainer_state) of the newest complete checkpoint, or (0, "", None)."""
+    n = max(complete_checkpoints(out_dir), default=0)
+    path = os.path.join(out_dir, f"step_{n}")
+    return (n, path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)) if n else (0, "", None)
+
+
+def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
+                    ref=None, keep: int = 0):
+    """out_dir/step_N/: the Hugging Face folder of `model`, trainer_state.pt ({"optimizer": ..., **trainer_state})
+    and ref_model.pt when a reference model is given; keeps the newest `keep` checkpoints (0: all)."""
+    model_sd, opt_sd = full_state(model, opt)
+    if proc.rank == 0:
+        final = os.path.join(out_dir, f"step_{step}")
+        shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
+        with torch.device("meta"):
+            m = Transformer(model.config)
+        m.load_state_dict({k: v.detach().cpu() for k, v in model_sd.items()}, assign=True)
+        m.save_pretrained(tmp, tokenizer=tokenizer)
+        if ref is not None:
+            torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
+        torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(complete_checkpoints(out_dir))[:-keep] if keep else []:
+            shutil.rmtree(os.path.join(out_dir, f"step_{old}"), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# =================================================================================================== logging
+CONSOLE = [("train/loss", "loss", ".4f"), ("train/reward", "reward", ".3f"), ("train/accuracy", "acc", ".3f"),
+           ("train/completion_len", "len", ".1f"), ("train/kl", "kl", ".4f"), ("train/clip_low", "clip_lo", ".3f"),
+           ("train/clip_high", "clip_hi", ".3f"), ("train/entropy", "ent", ".3f"), ("train/grad_norm", "gnorm", ".2f"),
+           ("train/kept_groups_frac", "kept", ".2f"), ("train/skip_rate", "skip", ".2f"),
+           ("train/logprob_gap_max", "lp_gap", ".1e"), ("time/rollout_s", "roll_s", ".1f"),
+           ("time/train_s", "train_s", ".1f"), ("time/sample_tok_per_s", "tok/s", ".0f")]
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl, the console and W&B; the other ranks' calls do nothing. A resumed run first
+    drops the lines a killed run logged after its last checkpoint, so the resumed metrics.jsonl is exact."""
+
+    def __init__(self, proc: Proc, out_dir: str, config: dict, wandb_mode: str, wandb_project: str,
+                 first_step: int, total_steps: int):
+        self.rank, self.first_step, self.total_steps, self.t0, self.wandb = proc.rank, first_step, total_steps, \
+            time.time(), None
+        if self.rank != 0:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "metrics.jsonl")
+        lines = open(path).readlines() if os.path.exists(path) else []
+        with open(path + ".tmp", "w") as f:
+            f.writelines(ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= first_step)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+        # auto: W&B's own WANDB_MODE decides when set (CI sets disabled), else online with stored credentials
+        mode = (os.environ.get("WANDB_MODE") or "auto") if wandb_mode == "auto" else wandb_mode
+        if mode != "disabled":
+            import wandb
+            self.wandb = wandb
+            mode = mode if mode != "auto" else "online" if wandb.login(prompt=False) else "offline"
+            wandb.init(project=wandb_project, dir=out_dir, mode=mode, config=config,
+                       name=os.path.basename(os.path.abspath(out_dir)))
+
+    def log(self, step: int, stage: str, rec: dict):
+        """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a console line."""
+        rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()}}
+        if self.rank != 0:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(rec, step=step)
+        if any(k.startswith("eval/") for k in rec):
+            return print(f"step {step:5d} {stage:3s} | EVAL " + " ".join(
+                f"{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("eval/") and "_L" not in k), flush=True)
+        eta = (time.time() - self.t0) / max(1, step - self.first_step) * (self.total_steps - step)
+        cols = " ".join(f"{name} {rec[k]:{fmt}}" for k, name, fmt in CONSOLE if k in rec)
+        print(f"step {step:5d} {stage:3s} | {cols} | eta {eta / 60:.1f} min", flush=True)
+
+    def samples(self, step: int, rows: list[tuple]):
+        """Eval samples (prompt, completion, gold, correct): three on the console, sixteen in a W&B table."""
+        for prompt, completion, gold, _ in rows[:3] if self.rank == 0 else []:
+            print(f"  [eval sample] {prompt!r} -> {completion!r} (gold {gold})")
+        if self.wandb:
+            table = self.wandb.Table(columns=["step", "prompt", "completion", "gold", "correct"],
+                                     data=[[step, *row] for row in rows[:16]])
+            self.wandb.log({"eval/samples": table}, step=step)
+
+    def finish(self, results: dict) -> dict:
+        """The held-out table, one column per stage; closes the files."""
+        if self.rank != 0:
+            return results
+        keys = sorted({k for r in results.values() for k in r if k != "eval/maj@k"})
+        if keys:
+            print("\nheld-out results\n" + f"{'metric':28s}" + "".join(f"{s:>10s}" for s in results))
+        for k in keys:
+            print(f"{k[5:]:28s}" + "".join(f"{r.get(k, float('nan')):10.3f}" for r in results.values()))
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+        return results

@@ -140,7 +140,7 @@ def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: flo
         for i in range(0, n, chunk):
             z = logits[i:i + chunk].float()
             lz = z - z.logsumexp(-1, keepdim=True)  # −Σ p log p on normalised log-probs: no cancellation when peaked
-            ent.append(-(lz.exp() * lz).sum(-1))
+            ent.append(-(lz.exp() * lz.nan_to_num(neginf=0.0)).sum(-1))  # a filtered token adds 0, not 0 · −inf
     return torch.cat(logp), torch.cat(ent)
 
 

@@ -90,13 +90,15 @@ def test_recorded_logprobs_match_full_forward(T, k, p):
     m = tiny()
     r = generate(m, PROMPTS, 3, 12, T, k, p, stop_ids=STOP, seed=7)
     prompts = [PROMPTS[i // 3] for i in range(len(r.completion_ids))]
-    trainer, _ = score(m, prompts, pad_batch(rows_of(r)), T, k, p)  # the trainer's twin: one causal forward
+    trainer, ent = score(m, prompts, pad_batch(rows_of(r)), T, k, p)  # the trainer's twin: one causal forward
     for i, comp in enumerate(rows_of(r)):
         logits = full_logits(m, PROMPTS[i // 3], comp)
         logp = filter_logits(logits, T, k, p).log_softmax(-1)  # [len, V]
         ref = logp.gather(-1, torch.tensor(comp)[:, None])[:, 0]
         assert (r.logprobs[i, :len(comp)] - ref).abs().max() < 1e-5
         assert (trainer[i, :len(comp)] - ref).abs().max() < 1e-5
+        h = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)  # entropy of the sampled distribution, by hand
+        assert (ent[i, :len(comp)] - h).abs().max() < 1e-4
         if (k, p) == (0, 1.0) and T in (0, 1):  # unfiltered T = 1, and greedy: the plain softmax
             plain = logits.log_softmax(-1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
             assert (r.logprobs[i, :len(comp)] - plain).abs().max() < 1e-5

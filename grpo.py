@@ -321,7 +321,7 @@ def entropy_threshold(entropy: torch.Tensor, q: float, mask: Optional[torch.Tens
     h = entropy.detach().float().reshape(-1)
     ok = torch.ones_like(h, dtype=torch.bool) if mask is None else (mask != 0).reshape(-1)
     top = torch.where(ok, h, -math.inf).sort(descending=True).values
-    # k in float64 with a 1e-6 slack: 0.7 · 10 is 7.000000000000001, whose ceiling would be 8
+    # k in float64 with a 1e-6 slack: 0.07 · 100 is 7.000000000000001, whose ceiling would be 8
     k = torch.ceil(q * ok.sum().double() - 1e-6).long().clamp(min=1)
     return top.gather(0, (k - 1).view(1)).squeeze(0)  # no valid token: −inf, and no token is valid anyway
 

@@ -1,4 +1,5 @@
-"""Pure GRPO / DAPO / Dr. GRPO loss functions: tensors in, (loss, metrics) out. Imports only torch.
+"""Pure GRPO / DAPO / Dr. GRPO (and GSPO, CISPO, RLOO, REINFORCE++) loss functions: tensors in, (loss, metrics)
+out. Imports only torch.
 
 A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major, N = P·G.
 1. Reward shaping, DAPO §3.4 soft overlong punishment (eq. 13), with Lmax = max_len, Lc = cache_len:
@@ -57,7 +58,8 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
                      lengths: Optional[torch.Tensor] = None):
     """rewards [N] prompt-major -> advantages [N] (float32). lengths [N] (each row's loss tokens) only for
-    scale="reinforce_pp"; pass the whole global batch, as every rank holds it, so the result is exact."""
+    scale="reinforce_pp"; pass the whole global batch, as every rank holds it, so the result is exact. There a
+    zero-spread group's 0 becomes −mean/std after the batch whitening, as in the paper."""
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; use one of {SCALES}")
     r = _grouped(rewards, group_size)  # [P, G]
@@ -250,8 +252,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     if pg_loss == "cispo":
-        # ρ/sg(ρ) has value 1 and gradient ∇log π_θ: the loss keeps the surrogate's scale, the gradient is CISPO's
-        surr = clipped.detach() * adv * ratio / ratio.detach()
+        # 1 + log π − sg(log π) has value 1 and gradient ∇log π_θ: the loss keeps the surrogate's value, the
+        # gradient is CISPO's, and nothing overflows where ρ does
+        lp = torch.where(valid, logp, 0.0)
+        surr = clipped.detach() * adv * (1 + lp - lp.detach())
     else:
         # pessimistic min: clipping removes the gain from moving ρ past the trust region, never a loss's penalty
         surr = torch.minimum(ratio * adv, clipped * adv)

@@ -448,6 +448,11 @@ def test_new_options_match_loop(agg, opts):
     assert loss.item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(g_got, g_ref, rtol=1e-10, atol=1e-14)
     assert torch.isfinite(g_got).all() and (g_got[~mask] == 0).all()
+    # garbage (−inf) under the padding changes neither the loss nor the gradient
+    bad = logp.detach().masked_fill(~mask, -math.inf).requires_grad_()
+    loss_bad, _ = grpo.policy_loss(bad, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    torch.testing.assert_close(loss_bad, loss.detach())
+    torch.testing.assert_close(torch.autograd.grad(loss_bad, bad)[0], g_got)
     if opts.get("dual_clip"):
         assert m["dual_clip"] > 0
     if opts.get("eps_low") == 3e-4:

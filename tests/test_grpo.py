@@ -331,3 +331,282 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="group_size"):
         grpo.process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
                                 torch.ones(3, 2, dtype=torch.bool), 2, 5)
+
+
+# ---------------------------------------------------------------- newer objectives: RLOO, REINFORCE++
+
+def test_rloo_advantages_loop_and_edges():
+    g = torch.Generator().manual_seed(5)
+    for group in (2, 3, 5):
+        r = torch.randint(0, 3, (4 * group,), generator=g).float()
+        r[:group] = 1.0  # one zero-spread group
+        got = grpo.group_advantages(r, group, scale="rloo")
+        for i in range(len(r)):
+            others = [float(r[j]) for j in range(len(r)) if j // group == i // group and j != i]
+            assert got[i].item() == pytest.approx(float(r[i]) - sum(others) / len(others), abs=1e-6)
+        assert torch.equal(got[:group], torch.zeros(group))  # exact zeros, not ulps
+    assert grpo.group_advantages(torch.tensor([1.0, 0.0]), 2, scale="rloo").tolist() == [1.0, -1.0]
+    assert torch.equal(grpo.group_advantages(torch.tensor([1.0, 0.0, 3.0]), 1, scale="rloo"), torch.zeros(3))
+
+
+def test_reinforce_pp_advantages_token_weighted_loop():
+    g = torch.Generator().manual_seed(6)
+    r = torch.randint(0, 2, (12,), generator=g).float()
+    r[4:8] = 1.0  # a zero-spread group: 0 after the baseline, −mean/std after the batch whitening
+    lengths = torch.randint(0, 9, (12,), generator=g)
+    lengths[3] = 0  # an all-padding row carries no token, so it does not move the batch statistics
+    got = grpo.group_advantages(r, 4, scale="reinforce_pp", lengths=lengths, eps=0.0)
+    centred = [float(r[i]) - sum(float(r[j]) for j in range(12) if j // 4 == i // 4) / 4 for i in range(12)]
+    tokens = [centred[i] for i in range(12) for _ in range(int(lengths[i]))]  # one entry per token
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((a - mean) ** 2 for a in tokens) / len(tokens))
+    torch.testing.assert_close(got, torch.tensor([(a - mean) / std for a in centred]))
+    # every group zero-spread: exact zeros, not 0/0
+    same = grpo.group_advantages(torch.ones(8), 4, scale="reinforce_pp", lengths=torch.full((8,), 3))
+    assert torch.equal(same, torch.zeros(8))
+    with pytest.raises(ValueError, match="lengths"):
+        grpo.group_advantages(r, 4, scale="reinforce_pp")
+
+
+# ---------------------------------------------------------------- GSPO, CISPO, dual-clip, k1/k2/k3, pg_weight
+
+def loop_loss(logp, old, ref, mask, adv, eps_low=0.2, eps_high=0.2, beta=0.0, agg="seq_mean_token_mean",
+              max_len=None, ratio_level="token", pg_loss="clip", dual_clip=0.0, kl="k3", weight=None):
+    """Per-row, per-token loop on 0-d tensors, in the papers' own forms; returns (loss for the gradient, value).
+    GSPO: s_i with its full gradient (eq. 5); CISPO: −sg(clip(ρ)) Â log π, whose value differs from grpo.py's
+    (grpo.py reports sg(clip(ρ)) Â, the surrogate's value); the gradients are the same."""
+    n, length = logp.shape
+    rows, toks, rows_v, toks_v = [], [], [], []
+    for i in range(n):
+        ts = [t for t in range(length) if mask[i, t]]
+        if ts:
+            s = torch.exp(sum(logp[i, t] - old[i, t] for t in ts) / len(ts))
+        row, row_v = [], []
+        for t in ts:
+            a = adv[i]
+            r = s if ratio_level == "sequence" else torch.exp(logp[i, t] - old[i, t])
+            c = torch.clamp(r, 1 - eps_low, 1 + eps_high)
+            if pg_loss == "cispo":
+                sur, sur_v = c.detach() * a * logp[i, t], (c * a).detach()
+            else:
+                sur = torch.minimum(r * a, c * a)
+                if dual_clip and a < 0:
+                    sur = torch.maximum(sur, dual_clip * a)
+                sur_v = sur
+            w = 1.0 if weight is None else float(weight[i, t])
+            d = ref[i, t] - logp[i, t]
+            k = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[kl]
+            row.append(-w * sur + beta * k)
+            row_v.append(-w * sur_v + beta * k)
+        for out, lst in ((rows, row), (rows_v, row_v)):
+            if lst:
+                out.append(sum(lst) / len(lst))
+        toks += row
+        toks_v += row_v
+
+    def agg_of(r, t):
+        if agg == "token_mean":
+            return sum(t) / len(t)
+        if agg == "seq_mean_token_mean":
+            return sum(r) / len(r)
+        return sum(t) / (n * (max_len or length))
+    return agg_of(rows, toks), agg_of(rows_v, toks_v)
+
+
+OPTIONS = [dict(ratio_level="sequence"), dict(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
+           dict(pg_loss="cispo", eps_low=1.0, eps_high=0.28), dict(pg_loss="cispo", eps_low=0.1, eps_high=0.1),
+           dict(dual_clip=1.5), dict(kl="k1", beta=0.1), dict(kl="k2", beta=0.1), dict(kl="k3", beta=0.1),
+           dict(weight=True, eps_high=0.28),
+           dict(pg_loss="cispo", ratio_level="sequence", beta=0.05, kl="k2", weight=True)]
+
+
+def weights_for(mask, seed=7):
+    # a pg_weight like TIS × top-entropy: positive reals with some exact zeros
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2 * (torch.rand(mask.shape, generator=g) > 0.3)
+
+
+def grpo_kwargs(opts, mask):
+    kw = {k: v for k, v in opts.items() if k not in ("kl", "weight")}
+    kw["kl_estimator"] = opts.get("kl", "k3")
+    kw["pg_weight"] = weights_for(mask) if opts.get("weight") else None
+    return kw
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_new_options_match_loop(agg, opts):
+    logp, old, ref, mask, adv = ragged_batch()
+    old = logp + 2 * (old - logp)  # ratios in [0.5, 6.6]: every clip and the dual clip bind somewhere
+    logp.requires_grad_()
+    kw = grpo_kwargs(opts, mask)
+    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    g_got, = torch.autograd.grad(loss, logp)
+    loop_kw = {**opts, "weight": kw["pg_weight"]}
+    for_grad, value = loop_loss(logp, old, ref, mask, adv, agg=agg, max_len=11, **loop_kw)
+    g_ref, = torch.autograd.grad(for_grad, logp)
+    assert loss.item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-10, atol=1e-14)
+    assert torch.isfinite(g_got).all() and (g_got[~mask] == 0).all()
+    # garbage (−inf) under the padding changes neither the loss nor the gradient
+    bad = logp.detach().masked_fill(~mask, -math.inf).requires_grad_()
+    loss_bad, _ = grpo.policy_loss(bad, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    torch.testing.assert_close(loss_bad, loss.detach())
+    torch.testing.assert_close(torch.autograd.grad(loss_bad, bad)[0], g_got)
+    if opts.get("dual_clip"):
+        assert m["dual_clip"] > 0
+    if opts.get("eps_low") == 3e-4:
+        assert m["clip_low"] + m["clip_high"] > 0
+
+
+def test_gspo_cispo_dual_clip_by_hand():
+    # GSPO: one row, log-ratios 0.1 and 0.3 -> s = e^0.2 = 1.2214, inside 1 + 0.3: loss −s·Â, d/dlogp_t = −s·Â/2
+    logp = torch.tensor([[0.1, 0.3]], dtype=torch.float64).requires_grad_()
+    zeros, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
+    loss, m = grpo.policy_loss(logp, zeros, torch.tensor([2.0], dtype=torch.float64), mask, eps_high=0.3,
+                               ratio_level="sequence")
+    loss.backward()
+    s = math.exp(0.2)
+    assert loss.item() == pytest.approx(-2 * s) and m["ratio"].item() == pytest.approx(s)
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), -s, dtype=torch.float64))
+    # ε_high = 0.2 clips the whole sequence: no gradient on either token, though token 0's own ratio is 1.105
+    logp.grad = None
+    grpo.policy_loss(logp, zeros, torch.tensor([2.0], dtype=torch.float64), mask, ratio_level="sequence")[0].backward()
+    assert logp.grad.tolist() == [[0.0, 0.0]]
+    # CISPO: ratio 1.8 with Â = 1 is capped at 1.28 yet keeps a gradient; 0.4 with Â = −1 has no lower cap
+    loss, m, grad = one_token([1.8, 0.4], [1.0, -1.0], pg_loss="cispo", eps_low=1.0, eps_high=0.28)
+    torch.testing.assert_close(grad, torch.tensor([-1.28 / 2, 0.4 / 2], dtype=torch.float64))
+    assert loss.item() == pytest.approx(-(1.28 - 0.4) / 2) and m["clip_high"] == 0.5 and m["clip_low"] == 0
+    # dual-clip c = 3 for Â < 0: ratio 4 gives the constant −3·Â (no gradient), ratio 2 keeps ρ·Â
+    loss, m, grad = one_token([4.0, 2.0], [-1.0, -1.0], dual_clip=3.0)
+    assert loss.item() == pytest.approx((3 + 2) / 2) and m["dual_clip"] == 0.5
+    torch.testing.assert_close(grad, torch.tensor([0.0, 1.0], dtype=torch.float64))
+
+
+def test_kl_estimators_by_hand_and_at_ref():
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -1.5]])  # d = −1, 0.5
+    d = torch.tensor([[-1.0, 0.5]])
+    torch.testing.assert_close(grpo.kl_penalty(logp, ref, "k1"), -d)
+    torch.testing.assert_close(grpo.kl_penalty(logp, ref, "k2"), d * d / 2)
+    torch.testing.assert_close(grpo.kl_penalty(logp, ref, "k3"), d.exp() - d - 1)
+    for est in grpo.KL_ESTIMATORS:
+        assert torch.equal(grpo.kl_penalty(logp, logp.clone(), est), torch.zeros(1, 2))
+
+
+# ---------------------------------------------------------------- truncated / masked importance sampling
+
+@pytest.mark.parametrize("level", grpo.TIS_LEVELS)
+@pytest.mark.parametrize("mode", grpo.TIS_MODES)
+def test_tis_weights_loop(level, mode):
+    logp, old, _, mask, _ = ragged_batch()  # row 2 is all padding
+    sampler = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8), dtype=old.dtype)
+    cap = 1.2
+    got, m = grpo.tis_weights(old, sampler, mask, level, mode, cap)
+    expect, raw, cut = torch.zeros_like(got), [], 0
+    for i in range(6):
+        ts = [t for t in range(7) if mask[i, t]]
+        seq = math.exp(sum(float(old[i, t] - sampler[i, t]) for t in ts))
+        for t in ts:
+            w = seq if level == "sequence" else math.exp(float(old[i, t] - sampler[i, t]))
+            out = w < 1 / cap or w > cap if mode == "mask" else w > cap
+            expect[i, t] = (0.0 if out else w) if mode == "mask" else min(w, cap)
+            raw.append(w)
+            cut += out
+    assert got.dtype == torch.float32 and not got.requires_grad
+    torch.testing.assert_close(got, expect.float())
+    assert m["tis_mean"].item() == pytest.approx(sum(raw) / len(raw), rel=1e-5)
+    assert m["tis_max"].item() == pytest.approx(max(raw), rel=1e-5)
+    assert m["tis_cut"].item() == pytest.approx(cut / len(raw)) and 0 < cut < len(raw)
+    # a sequence's product overflowing float32: truncation gives C, the mask gives 0, never inf or NaN
+    huge, _ = grpo.tis_weights(torch.full((1, 3), 50.0), torch.zeros(1, 3), torch.ones(1, 3), level, mode, cap)
+    assert torch.equal(huge, torch.full((1, 3), 0.0 if mode == "mask" else cap))
+
+
+# ---------------------------------------------------------------- top-entropy mask
+
+def test_entropy_threshold_ties_and_loop():
+    h = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0])
+    assert grpo.entropy_threshold(h, 0.2) == 3.0  # k = 1
+    assert grpo.entropy_threshold(h, 0.4) == 2.0  # k = 2 lands in a tie: all three 2.0 tokens are kept
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    assert grpo.top_entropy_mask(h[None], mask, grpo.entropy_threshold(h, 0.4)).sum() == 4
+    assert grpo.top_entropy_mask(h[None], mask, grpo.entropy_threshold(h, 1.0)).all()
+    # 0.07 · 100 = 7.000000000000001 in floating point: k must still be 7, τ the 7th largest
+    assert grpo.entropy_threshold(torch.arange(100.0), 0.07) == 93.0
+    g = torch.Generator().manual_seed(9)
+    ent = torch.rand(6, 7, generator=g).round(decimals=1)  # many ties
+    _, _, _, valid, _ = ragged_batch()
+    for q in (0.05, 0.2, 0.5, 0.8, 1.0):
+        vals = sorted((float(ent[i, t]) for i in range(6) for t in range(7) if valid[i, t]), reverse=True)
+        tau = vals[math.ceil(round(q * len(vals), 9)) - 1]
+        assert grpo.entropy_threshold(ent, q, valid).item() == tau
+        # the threshold of the flat valid entropies (what an all-gather gives) is the same
+        assert grpo.entropy_threshold(ent[valid], q).item() == tau
+        keep = grpo.top_entropy_mask(ent, valid, torch.tensor(tau))
+        assert keep.sum() == sum(v >= tau for v in vals) and not keep[~valid].any()
+    with pytest.raises(ValueError, match="q must be in"):
+        grpo.entropy_threshold(ent, 0.0)
+
+
+# ---------------------------------------------------------------- partition invariance
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("opts", OPTIONS + [dict(tis="sequence", entropy_q=0.5)], ids=lambda o: "-".join(
+    f"{k}={v}" for k, v in o.items()))
+def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
+    """Micro-batches [0:2] [2:3] [3:6], and 2 "ranks" (rows 0-2 and 3-5, each in 2 micro-batches): the summed
+    losses and accumulated gradients equal the full batch's, with pg_weight built per micro-batch from
+    tis_weights and a top-entropy τ computed once over every rank's valid tokens."""
+    logp, old, ref, mask, adv = ragged_batch()
+    old = logp + 2 * (old - logp)
+    sampler = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8), dtype=old.dtype)
+    ent = torch.rand(6, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64).round(decimals=1)
+    kw = grpo_kwargs({k: v for k, v in opts.items() if k not in ("tis", "entropy_q")}, mask)
+    full_w = kw.pop("pg_weight")
+    tau = grpo.entropy_threshold(torch.cat([ent[:3][mask[:3]], ent[3:][mask[3:]]]), opts.get("entropy_q", 1.0))
+
+    def run(parts):
+        leaf = logp.clone().requires_grad_()
+        scale = sum(grpo.loss_normaliser(mask[s], agg, 11) for s in parts)
+        total = 0.0
+        for s in parts:
+            w = None if full_w is None else full_w[s]
+            if "tis" in opts:
+                w = grpo.tis_weights(old[s], sampler[s], mask[s], opts["tis"], "truncate", 2.0)[0].double()
+                w = w * grpo.top_entropy_mask(ent[s], mask[s], tau)
+            part, _ = grpo.policy_loss(leaf[s], old[s], adv[s], mask[s], ref_logp=ref[s], agg=agg, max_len=11,
+                                       loss_scale=scale if len(parts) > 1 else None, pg_weight=w, **kw)
+            part.backward()
+            total = total + part.detach()
+        return total, leaf.grad
+
+    full, g_full = run([slice(0, 6)])
+    for parts in ([slice(0, 2), slice(2, 3), slice(3, 6)], [slice(0, 1), slice(1, 3), slice(3, 5), slice(5, 6)]):
+        total, grad = run(parts)
+        torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(grad, g_full, rtol=1e-12, atol=1e-15)
+    assert g_full.abs().sum() > 0
+
+
+def test_new_options_bad_input_raises():
+    logp, old, ref, mask, adv = ragged_batch()
+    with pytest.raises(ValueError, match="ratio_level 'seq'"):
+        grpo.policy_loss(logp, old, adv, mask, ratio_level="seq")
+    with pytest.raises(ValueError, match="pg_loss 'ppo'"):
+        grpo.policy_loss(logp, old, adv, mask, pg_loss="ppo")
+    with pytest.raises(ValueError, match="dual_clip must be 0"):
+        grpo.policy_loss(logp, old, adv, mask, dual_clip=0.5)
+    with pytest.raises(ValueError, match="dual_clip must be 0"):
+        grpo.policy_loss(logp, old, adv, mask, dual_clip=3.0, pg_loss="cispo")
+    with pytest.raises(ValueError, match="kl_estimator 'k4'"):
+        grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, kl_estimator="k4")
+    with pytest.raises(ValueError, match="pg_weight"):
+        grpo.policy_loss(logp, old, adv, mask, pg_weight=mask[:, :3])
+    with pytest.raises(ValueError, match="'reinforce'"):
+        grpo.group_advantages(torch.zeros(4), 2, scale="reinforce")
+    with pytest.raises(ValueError, match="cap 0.5"):
+        grpo.tis_weights(old, old, mask, cap=0.5)
+    with pytest.raises(ValueError, match="mode 'clip'"):
+        grpo.tis_weights(old, old, mask, mode="clip")
+    with pytest.raises(ValueError, match="sampler_logp"):
+        grpo.tis_weights(old, old[:, :3], mask)

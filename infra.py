@@ -2,20 +2,21 @@
 
   1. setup reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process per device; nccl on CUDA, gloo on CPU);
      teardown leaves together, so no rank tears the process group down under a peer still working.
-  2. all_sum / all_max / any_rank / all_gather_list: the collectives, no-ops at world size 1.
-  3. shard: FSDP2, each block then the root, bf16 compute with fp32 gradient reduction on CUDA; `with
-     unsharded(model):` all-gathers every parameter once for a whole rollout, not once per decoded token.
+  2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the run's DEVICE
+     (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
+  3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
+     computes as eight do); `with unsharded(model):` all-gathers the weights once per rollout, not once per token.
   4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
   5. Logger: a console line with an ETA, metrics.jsonl (one flat JSON object per line), W&B, the final table.
 """
 import contextlib
-import dataclasses
 import glob
 import json
 import os
 import shutil
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from model import Transformer
 
 
-# ================================================================================================ processes
-@dataclasses.dataclass
-class Proc:
+DEVICE = torch.device("cpu")  # the run's device, set by setup(): where every collective's tensors live
+
+
+class Proc(NamedTuple):
     rank: int              # this process, 0..world-1; rank 0 logs and writes checkpoints
     world: int             # number of processes (one per device)
     device: torch.device
@@ -42,8 +44,11 @@ def setup(device: str = "auto", threads: int = 0) -> Proc:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    elif cuda and not dist.is_initialized():  # FSDP2's mixed precision on one GPU too: a 1-rank process group
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     if threads:
         torch.set_num_threads(threads)
+    globals()["DEVICE"] = dev
     return Proc(rank, world, dev)
 
 
@@ -56,22 +61,20 @@ def teardown():
         os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted (SIGABRT) about 1 run in 12
 
 
-# ============================================================================================== collectives
-def all_sum(x: torch.Tensor) -> torch.Tensor:
+def all_sum(x, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """x (a tensor anywhere, or a number) summed over ranks, as a tensor on DEVICE."""
+    x = torch.as_tensor(x).to(DEVICE)
     if dist.is_initialized():
-        dist.all_reduce(x)
+        dist.all_reduce(x, op=op)
     return x
 
 
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
+def all_max(x) -> torch.Tensor:
+    return all_sum(x, dist.ReduceOp.MAX)
 
 
-def any_rank(flag: bool, device) -> bool:
-    """True on every rank if it is true on any."""
-    return bool(all_sum(torch.tensor(float(flag), device=device)) > 0)
+def any_rank(flag: bool) -> bool:  # true on every rank if it is true on any
+    return bool(all_sum(float(flag)) > 0)
 
 
 def all_gather_list(items: list) -> list:
@@ -83,10 +86,10 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-# ===================================================================================================== FSDP2
 def shard(model: Transformer, proc: Proc):
-    """FSDP2: each block, then the root; bf16 compute with fp32 gradient reduction on CUDA, fp32 on CPU."""
-    if proc.world == 1:
+    """FSDP2: each block, then the root; bf16 compute with fp32 gradient reduction on CUDA, fp32 on CPU (where
+    one process keeps the plain module)."""
+    if proc.world == 1 and proc.device.type != "cuda":
         return model
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if proc.device.type == "cuda" else MixedPrecisionPolicy()
     for block in model.model.layers:
@@ -109,14 +112,13 @@ def unsharded(model):
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
             yield
     finally:
-        for m in mods:
+        for m in mods:  # back to FSDP2's defaults: blocks reshard after forward, the root keeps its weights
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def full_state(model, opt=None, rank0_only=True):
-    """Unsharded model (and optimizer) state dicts. Under FSDP every rank must call this (it all-gathers); with
-    rank0_only the other ranks get empty dicts (cpu_offload keeps the full tensors on rank 0 only)."""
+    """Unsharded model (and optimizer) state dicts; every rank calls (all-gather), rank0_only: empty on the others."""
     if not dist.is_initialized():
         return model.state_dict(), opt and opt.state_dict()
     opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
@@ -125,20 +127,18 @@ def full_state(model, opt=None, rank0_only=True):
 
 
 def frozen_copy(model, device) -> Transformer:
-    """An unsharded, frozen copy of a (possibly sharded) model, e.g. π_ref; every rank must call it (all-gather)."""
-    ref = Transformer(model.config).to(device)
+    """A frozen unsharded copy (π_ref) in the compute dtype, bf16 on CUDA as FSDP computes: KL 0 at the start."""
+    ref = Transformer(model.config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     ref.load_state_dict({k: v.to(device) for k, v in full_state(model, rank0_only=False)[0].items()})
     return ref.requires_grad_(False).eval()
 
 
 def load_optimizer(model, opt, sd: dict):
-    """A full (unsharded) optimizer state dict back into this rank's optimizer."""
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a full (unsharded) optimizer state dict back into this rank's optimizer
         return opt.load_state_dict(sd)
     dcp.set_optimizer_state_dict(model, opt, sd, options=dcp.StateDictOptions(full_state_dict=True))
 
 
-# =============================================================================================== checkpoints
 def complete_checkpoints(out_dir: str) -> list[int]:
     """Steps N of the step_N/ folders that hold a trainer_state.pt (written last, so the folder is whole)."""
     return [int(p.split("_")[-1]) for p in glob.glob(os.path.join(out_dir, "step_*"))
@@ -146,16 +146,19 @@ def complete_checkpoints(out_dir: str) -> list[int]:
 
 
 def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
-    """(N, out_dir/step_N, its trainer_state) of the newest complete checkpoint, or (0, "", None)."""
+    """(N, out_dir/step_N, its trainer_state) of the newest complete checkpoint, or (0, "", None). Rank 0 decides
+    (each rank listing its own disk could disagree) and every rank reads it: out_dir must be shared."""
     n = max(complete_checkpoints(out_dir), default=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box := [n], src=0)
+        n = box[0]
     path = os.path.join(out_dir, f"step_{n}")
     return (n, path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)) if n else (0, "", None)
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
                     ref=None, keep: int = 0):
-    """out_dir/step_N/: the Hugging Face folder of `model`, trainer_state.pt ({"optimizer": ..., **trainer_state})
-    and ref_model.pt when a reference model is given; keeps the newest `keep` checkpoints (0: all)."""
+    """out_dir/step_N/: `model`'s HF folder, trainer_state.pt, ref_model.pt; keeps the newest `keep` (0: all)."""
     model_sd, opt_sd = full_state(model, opt)
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
@@ -175,13 +178,12 @@ def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, 
         dist.barrier()
 
 
-# =================================================================================================== logging
-CONSOLE = [("train/loss", "loss", ".4f"), ("train/reward", "reward", ".3f"), ("train/accuracy", "acc", ".3f"),
-           ("train/completion_len", "len", ".1f"), ("train/kl", "kl", ".4f"), ("train/clip_low", "clip_lo", ".3f"),
-           ("train/clip_high", "clip_hi", ".3f"), ("train/entropy", "ent", ".3f"), ("train/grad_norm", "gnorm", ".2f"),
-           ("train/kept_groups_frac", "kept", ".2f"), ("train/skip_rate", "skip", ".2f"),
-           ("train/logprob_gap_max", "lp_gap", ".1e"), ("time/rollout_s", "roll_s", ".1f"),
-           ("time/train_s", "train_s", ".1f"), ("time/sample_tok_per_s", "tok/s", ".0f")]
+CONSOLE = [c.split() for c in (  # metric, console name, format
+    "train/loss loss .4f, train/reward reward .3f, train/accuracy acc .3f, train/completion_len len .1f, "
+    "train/kl kl .4f, train/clip_low clip_lo .3f, train/clip_high clip_hi .3f, train/entropy ent .3f, "
+    "train/grad_norm gnorm .2f, train/kept_groups_frac kept .2f, train/skip_rate skip .2f, "
+    "train/logprob_gap_max lp_gap .1e, time/rollout_s roll_s .1f, time/train_s train_s .1f, "
+    "time/sample_tok_per_s tok/s .0f").split(", ")]
 
 
 class Logger:
@@ -190,12 +192,11 @@ class Logger:
 
     def __init__(self, proc: Proc, out_dir: str, config: dict, wandb_mode: str, wandb_project: str,
                  first_step: int, total_steps: int):
-        self.rank, self.first_step, self.total_steps, self.t0, self.wandb = proc.rank, first_step, total_steps, \
-            time.time(), None
+        self.rank, self.first_step, self.total_steps, self.t0, self.wandb = proc.rank, first_step, total_steps, 0, None
         if self.rank != 0:
             return
         os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "metrics.jsonl")
+        path, self.t0 = os.path.join(out_dir, "metrics.jsonl"), time.time()
         lines = open(path).readlines() if os.path.exists(path) else []
         with open(path + ".tmp", "w") as f:
             f.writelines(ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= first_step)
@@ -231,17 +232,15 @@ class Logger:
         for prompt, completion, gold, _ in rows[:3] if self.rank == 0 else []:
             print(f"  [eval sample] {prompt!r} -> {completion!r} (gold {gold})")
         if self.wandb:
-            table = self.wandb.Table(columns=["step", "prompt", "completion", "gold", "correct"],
-                                     data=[[step, *row] for row in rows[:16]])
-            self.wandb.log({"eval/samples": table}, step=step)
+            cols = ["step", "prompt", "completion", "gold", "correct"]
+            self.wandb.log({"eval/samples": self.wandb.Table(cols, [[step, *r] for r in rows[:16]])}, step=step)
 
     def finish(self, results: dict) -> dict:
         """The held-out table, one column per stage; closes the files."""
         if self.rank != 0:
             return results
         keys = sorted({k for r in results.values() for k in r if k != "eval/maj@k"})
-        if keys:
-            print("\nheld-out results\n" + f"{'metric':28s}" + "".join(f"{s:>10s}" for s in results))
+        print("\nheld-out results\n" + f"{'metric':28s}" + "".join(f"{s:>10s}" for s in results) if keys else "")
         for k in keys:
             print(f"{k[5:]:28s}" + "".join(f"{r.get(k, float('nan')):10.3f}" for r in results.values()))
         self.file.close()

@@ -256,9 +256,11 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False):
+    def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False, head=None):
         """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx fills slots
-        [cache.n, cache.n + T) and cache.start gives the left padding; without one, `start` [B] does (default 0)."""
+        [cache.n, cache.n + T) and cache.start gives the left padding; without one, `start` [B] does (default 0).
+        head(h, w), if given, replaces the LM head (h [B, T, C] final hidden states, w [V, C] the head's weight,
+        gathered by FSDP inside forward): rollout.score takes log-probs with it, never all [B, T, V] logits."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -290,7 +292,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.n += T
         h = self.model.norm(h[:, -1:] if last_only else h)
-        return F.linear(h, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def new_cache(self, batch, max_len, start=None) -> KVCache:
         w = self.model.embed_tokens.weight

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -84,7 +85,7 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
     predecessor's); without (greedy), argmax z."""
     if u is None:
         tok = z.argmax(-1)
-        return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+        return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
     c = p.double().cumsum_(-1)                                                          # [B, V] float64
     tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range
@@ -94,7 +95,7 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """[..., V] logits -> float32 logits of the sampling distribution: logits / T, then −inf outside the top-k
     (ties with the k-th value are kept) and outside the smallest set of most likely tokens with mass >= top_p."""
-    z = logits.float()
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits are scored in float32
     if temperature == 0:  # greedy: the raw distribution
         return z
     if temperature != 1:
@@ -115,33 +116,65 @@ def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
     return torch.tensor([list(s) + [pad] * (T - len(s)) for s in seqs], dtype=dtype).view(len(seqs), T)
 
 
+def _chunk_log_softmax(h, w, temperature, top_k, top_p):
+    """h [c, C] hidden states, w [V, C] the LM head -> log softmax of the sampling distribution [c, V] float32."""
+    z = filter_logits(F.linear(h, w), temperature, top_k, top_p)  # the kept set is a constant: no grad through it
+    return z - z.logsumexp(-1, keepdim=True)
+
+
+class HeadLogProbs(torch.autograd.Function):
+    """log π(target) [M] and entropy [M] of π = filter(h Wᵀ / T) for M hidden states h [M, C], `chunk` rows at a
+    time. Backward recomputes each chunk's logits, so one [chunk, V] block is alive at a time, never [M, V]:
+    with z = logits / T, ∂ log π(t) / ∂z = onehot(t) − π on the kept set, and ∂z / ∂logits = 1/T (1 at T = 0)."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature, top_k, top_p, chunk):
+        logp, ent = (h.new_empty(len(h), dtype=torch.promote_types(h.dtype, torch.float32)) for _ in range(2))
+        for i in range(0, len(h), chunk):
+            lz = _chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)                # [c, V]
+            logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
+            ent[i:i + chunk] = -(lz.exp() * lz.nan_to_num(neginf=0.0)).sum(-1)  # a filtered token adds 0
+        ctx.save_for_backward(h, w, targets)
+        ctx.settings = temperature, top_k, top_p, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, _):
+        h, w, targets = ctx.saved_tensors
+        temperature, top_k, top_p, chunk = ctx.settings
+        gh, gw = torch.zeros_like(h), torch.zeros_like(w, dtype=g.dtype)                   # gw summed in float32+
+        for i in range(0, len(h), chunk):
+            gi = g[i:i + chunk, None]                                                           # [c, 1]
+            gz = -_chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p).exp() * gi  # [c, V]
+            gz.scatter_add_(-1, targets[i:i + chunk, None], gi)
+            gz = gz / temperature if temperature > 0 else gz
+            gh[i:i + chunk] = gz.to(w.dtype) @ w
+            gw += gz.T @ h[i:i + chunk].to(gz.dtype)
+        return gh, gw.to(w.dtype), None, None, None, None, None
+
+
 def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float, top_k: int = 0,
-          top_p: float = 1.0, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """generate's twin for the trainer: comps [n, L] (right-padded) after their prompts -> (log π(o_t | q, o_<t)
-    [n, L] float32, differentiable; entropy of π at each position [n, L], no grad, for logging), where π is the
-    distribution generate samples from with the same settings. Rows are prompt + completion right-padded, so the
-    plain causal path runs with no mask at all; the log-softmax is taken `chunk` rows at a time."""
+          top_p: float = 1.0, lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate's twin for the trainer: comps [n, L] (right-padded; `lengths` real tokens per row, default all L)
+    after their prompts -> (log π(o_t | q, o_<t) [n, L] float32, differentiable, 0 past a row's length; the entropy
+    of π there [n, L], no grad, for logging), with π the distribution generate samples from at the same settings.
+    One causal forward over prompt + completion (right-padded rows need no mask); the LM head runs only at the
+    completion tokens, in chunks of ~2^25 logits (HeadLogProbs), so memory never holds [n, L, V] logits."""
     dev = model.model.embed_tokens.weight.device
     n, L = comps.shape
-    plen = torch.tensor([len(p) for p in prompts], device=dev)
-    seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev)           # [n, T]
-    logits = model(seqs[:, :-1]).float()                                                 # [n, T-1, V]
-    pos = (plen[:, None] - 1 + torch.arange(L, device=dev)).clamp(max=seqs.shape[1] - 2)  # [n, L]
-    logits = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))           # [n, L, V]
-    if top_k or top_p < 1:  # a truncated, renormalised distribution: score exactly that one
-        logits = filter_logits(logits, temperature, top_k, top_p)
-    elif temperature > 0:
-        logits = logits / temperature
-    targets, logp, ent = comps.to(dev), [], []
-    for i in range(0, n, chunk):  # only a [chunk, L, V] float32 copy at a time, never a full log-softmax
-        z = logits[i:i + chunk].float()
-        logp.append(z.gather(-1, targets[i:i + chunk, :, None])[..., 0] - z.logsumexp(-1))
-    with torch.no_grad():
-        for i in range(0, n, chunk):
-            z = logits[i:i + chunk].float()
-            lz = z - z.logsumexp(-1, keepdim=True)  # −Σ p log p on normalised log-probs: no cancellation when peaked
-            ent.append(-(lz.exp() * lz.nan_to_num(neginf=0.0)).sum(-1))  # a filtered token adds 0, not 0 · −inf
-    return torch.cat(logp), torch.cat(ent)
+    lens = torch.tensor(lengths if lengths is not None else [L] * n, device=dev)
+    valid = torch.arange(L, device=dev) < lens[:, None]                                  # [n, L]
+    pos = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1 + torch.arange(L, device=dev)
+    seqs, targets = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev), comps.to(dev)[valid]
+
+    def head(h, w):  # h [n, T-1, C]: keep the M completion positions, then the LM head chunk by chunk
+        chunk = max(1, 2 ** 25 // w.shape[0])
+        return HeadLogProbs.apply(h[torch.arange(n, device=dev)[:, None], pos][valid], w, targets, temperature,
+                                  top_k, top_p, chunk)
+    logp, ent = model(seqs[:, :-1], head=head)                                               # [M], [M]
+    zeros = logp.new_zeros(n, L)
+    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
 
 
 def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):

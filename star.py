@@ -206,7 +206,7 @@ def main(cfg: StarConfig) -> dict:
         logger.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
                                  "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
         train.save(run, state, step, stage, opt, sched)
-        if infra.any_rank(0 < cfg.rl_minutes < (time.time() - t_start) / 60, run.proc.device):  # RL's time budget
+        if infra.any_rank(0 < cfg.rl_minutes < (time.time() - t_start) / 60):  # RL's time budget
             break
     return logger.finish(results)
 

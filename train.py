@@ -294,29 +294,43 @@ def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -
 
 
 def rank_micro_batches(run: Run, prompts: list, comps: list) -> list[list[int]]:
-    """This rank's micro-batches, padded with empty ones to the most that any rank has."""
+    """This rank's rows in micro-batches, longest first so that rows of similar length share one (padding costs
+    tokens; the normaliser is global, so any grouping gives the same gradient). As many as the busiest rank has:
+    a padding pass holds the pad row, index len(prompts), which the caller appends with an empty loss mask."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
-    n = infra.all_max(torch.tensor(len(micro_batches(lengths, run.cfg.micro_batch_tokens)), device=run.proc.device))
-    return micro_batches(lengths, run.cfg.micro_batch_tokens, int(n))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan = micro_batches([lengths[i] for i in order], run.cfg.micro_batch_tokens)
+    plan = micro_batches([lengths[i] for i in order], run.cfg.micro_batch_tokens, int(infra.all_max(len(plan))))
+    return [[order[j] for j in rows] or [len(prompts)] for rows in plan]
 
 
-def policy_scores(run: Run, prompts: list, comps: list, rows: list[int], temperature: float):
-    """log π_θ and entropy [n, L] of the micro-batch `rows`; an empty one (a padding pass) scores one pad token."""
-    ps, cs = ([[0]], [[0]]) if not rows else ([prompts[i] for i in rows], [comps[i] for i in rows])
-    dev = run.proc.device
+def scores(run: Run, model, prompts: list, comps: list, rows: list[int], temperature: float):
+    """log π and entropy [n, L] of the rows of a micro-batch under `model` (the policy, or π_ref), in the run's
+    compute dtype (bf16 autocast on CUDA)."""
+    cs, dev = [comps[i] for i in rows], run.proc.device
     with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-        return score(run.model, ps, pad_batch(cs).to(dev), temperature, run.cfg.top_k, run.cfg.top_p)
+        return score(model, [prompts[i] for i in rows], pad_batch(cs).to(dev), temperature, run.cfg.top_k,
+                     run.cfg.top_p, lengths=[len(c) for c in cs])
 
 
-def optimizer_step(run: Run, opt, sched) -> torch.Tensor:
-    """Clip the gradient norm, step (skipped when the norm is not finite), zero the gradients, advance the LR."""
+def add_metrics(sums: dict, metrics: dict):
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v.detach().float()
+
+
+def optimizer_step(run: Run, opt) -> torch.Tensor:
+    """Clip the gradient norm, step (skipped when the norm is not finite), zero the gradients."""
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if torch.isfinite(norm):
         opt.step()
     opt.zero_grad(set_to_none=True)
-    sched.step()
     return norm
+
+
+def reduced(sums: dict) -> dict:
+    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log zeros)."""
+    return dict(zip(sums, infra.all_sum(torch.stack(list(sums.values()))))) if sums else {}
 
 
 # =================================================================================================== SFT
@@ -335,18 +349,18 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
     gradient. The cold start here, and star.py's fine-tunes."""
     proc = run.proc
     prompts, comps = prompts[proc.rank::proc.world], comps[proc.rank::proc.world]
-    norm = infra.all_sum(torch.tensor(float(sum(map(len, comps))), device=proc.device))  # global loss tokens
-    sums = {}
-    for rows in rank_micro_batches(run, prompts, comps):
-        logp, ent = policy_scores(run, prompts, comps, rows, 0.0)                         # [n, L]
-        lens = torch.tensor([len(comps[i]) for i in rows] or [0], device=logp.device)     # a padding pass: 0
-        mask = torch.arange(logp.shape[1], device=logp.device) < lens[:, None]            # [n, L]
+    norm = infra.all_sum(float(sum(map(len, comps))))                                     # global loss tokens
+    plan, sums = rank_micro_batches(run, prompts, comps), {}
+    lens = torch.tensor([len(c) for c in comps] + [0], device=proc.device)                # the pad row: no loss
+    for rows in plan:
+        logp, ent = scores(run, run.model, prompts + [[0]], comps + [[0]], rows, 0.0)       # [n, L]
+        mask = torch.arange(logp.shape[1], device=logp.device) < lens[rows, None]         # [n, L]
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
-        (loss * proc.world * (1.0 if rows else 0.0)).backward()  # FSDP averages over ranks: undo it
-        for k, v in {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm}.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().float()
-    return {**{k: infra.all_sum(v) for k, v in sums.items()}, "train/grad_norm": optimizer_step(run, opt, sched),
-            "train/lr": sched.get_last_lr()[0]}
+        (loss * proc.world).backward()  # FSDP averages over ranks: undo it
+        add_metrics(sums, {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm})
+    gnorm = optimizer_step(run, opt)
+    sched.step()
+    return {**reduced(sums), "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0]}
 
 
 # ==================================================================================================== RL
@@ -363,43 +377,38 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     adv = grpo.group_advantages(torch.tensor([r for g in groups for r in g.rewards]), G, scale=cfg.adv_scale)
     mine = [(k, i) for k in range(proc.rank, len(groups), proc.world) for i in range(G)]
     prompts, comps = [groups[k].prompt for k, _ in mine], [groups[k].comps[i] for k, i in mine]
-    adv = adv[[k * G + i for k, i in mine]].to(dev)                                               # [n]
+    adv = torch.cat((adv[[k * G + i for k, i in mine]], torch.zeros(1))).to(dev)                # [n + 1]
     mask = pad_batch([[not (cfg.mask_truncated and groups[k].truncated[i])] * len(groups[k].comps[i])
-                      for k, i in mine], False, torch.bool).to(dev)                               # [n, L]
-    sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine], 0.0, torch.float32).to(dev)
-    norm = infra.all_sum(grpo.loss_normaliser(mask, cfg.agg, cfg.max_new_tokens).to(dev))  # the global normaliser
-    plan, gaps, old = rank_micro_batches(run, prompts, comps), [torch.zeros((), device=dev)], {}
+                      for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
+    sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine] + [[0.0]], 0.0, torch.float32).to(dev)
+    norm = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))   # the global normaliser
+    plan, old, sums, gap = rank_micro_batches(run, prompts, comps), {}, {}, torch.zeros((), device=dev)
+    prompts, comps = prompts + [[0]], comps + [[0]]  # the pad row of padding passes: mask, advantage 0
     # 4. μ optimizer steps on this batch, each over all micro-batches
     for epoch in range(cfg.ppo_epochs):
-        sums = {}
         for b, rows in enumerate(plan):
-            logp, ent = policy_scores(run, prompts, comps, rows, cfg.temperature)                  # [n, L]
-            if not rows:  # a padding pass: zero weight, no metrics
-                (logp.sum() * 0 * proc.world * 0.0).backward()
-                continue
+            logp, ent = scores(run, run.model, prompts, comps, rows, cfg.temperature)                # [n, L]
             r, Lm = torch.tensor(rows, device=dev), logp.shape[1]
             m, ref = mask[r, :Lm], None
             if cfg.beta > 0:
                 with torch.no_grad():
-                    ref = score(run.ref, [prompts[i] for i in rows], pad_batch([comps[i] for i in rows]),
-                                cfg.temperature, cfg.top_k, cfg.top_p)[0]
+                    ref = scores(run, run.ref, prompts, comps, rows, cfg.temperature)[0]
             old[b] = logp.detach() if epoch == 0 else old[b]  # π_old: π_θ before this step's first update
             loss, met = grpo.policy_loss(logp, old[b], adv[r], m, cfg.eps_low, cfg.eps_high, ref, cfg.beta, cfg.agg,
                                          cfg.max_new_tokens, loss_scale=norm)
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
-            if epoch == 0:  # sampler vs trainer on the same tokens: catches a mismatched scoring rule
-                gaps.append(((logp.detach() - sampler[r, :Lm]).abs() * m).amax())
-            tok = met.pop("tokens")
-            for k, v in {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
-                         **{f"train/{k}": v * tok for k, v in met.items()}}.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float()
-        first = sums if epoch == 0 else first  # log the first epoch's metrics: the on-policy one
-        gnorm = optimizer_step(run, opt, sched)
-    n = infra.all_sum(first.pop("n", torch.zeros((), device=dev))).clamp(min=1)
-    out = {k: infra.all_sum(v) / (1 if k == "train/loss" else n) for k, v in first.items()}
-    tokens = infra.all_sum(torch.tensor(float(sum(map(len, comps)))))
-    return {**stats, **out, "train/logprob_gap_max": infra.all_max(torch.stack(gaps).amax()), "train/grad_norm": gnorm,
-            "train/lr": sched.get_last_lr()[0],
+            if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
+                gap = torch.maximum(gap, ((logp.detach() - sampler[r, :Lm]).abs() * m).amax())
+                tok = met.pop("tokens")
+                add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
+                                   **{f"train/{k}": v * tok for k, v in met.items()}})
+        gnorm = optimizer_step(run, opt)
+    sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
+    out = reduced(sums)
+    n = out.pop("n").clamp(min=1)
+    tokens = infra.all_sum(float(sum(map(len, comps[:-1]))))
+    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, "train/grad_norm": gnorm,
+            "train/logprob_gap_max": infra.all_max(gap), "train/lr": sched.get_last_lr()[0],
             "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
             "time/rollout_s": t1 - t0, "time/train_s": time.time() - t1, "time/sample_tok_per_s": tokens / (t1 - t0)}
 
@@ -479,7 +488,7 @@ def main(cfg: Config) -> dict:
         if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and \
                 (step - cfg.sft_steps) % cfg.ref_update_every == 0:
             run.ref = infra.frozen_copy(run.model, run.proc.device)
-        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60, run.proc.device)
+        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60)
         total = step if stop else total
         if step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
             logger.log(step, stage, ev := evaluate(run, step, logger))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model import KVCache, ModelConfig, Transformer
-from rollout import filter_logits, generate, mix64, pad_batch, sample, score, uniform
+from rollout import HeadLogProbs, filter_logits, generate, mix64, pad_batch, sample, score, uniform
 
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
@@ -221,3 +221,43 @@ def test_inference_mode_samples_what_no_grad_samples():
     b = generate(m, PROMPTS, 3, 8, 0.8, 5, 0.9, stop_ids=STOP, seed=3)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
     assert a.lengths.min() < 8  # some rows stopped, so compaction ran under inference mode too
+
+
+@pytest.mark.parametrize("T,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 6, 0.7), (0, 0, 1.0)])
+def test_score_equals_full_logits_path_in_values_and_gradients(T, k, p):
+    """score() (LM head at completion tokens only, chunked, recomputed in backward) against the plain path: every
+    position's full-vocabulary logits, filtered, log-softmaxed; float64, so float tolerance is tight."""
+    m = tiny().double()
+    r = generate(m, PROMPTS, 2, 10, T, k, p, stop_ids=STOP, seed=3)
+    comps, prompts = rows_of(r), [PROMPTS[i // 2] for i in range(len(r.completion_ids))]
+    w = torch.randn(len(comps), max(map(len, comps)), dtype=torch.float64)  # a random upstream gradient
+    lp, _ = score(m, prompts, pad_batch(comps), T, k, p, lengths=[len(c) for c in comps])
+    (lp * w).sum().backward()
+    ours = [q.grad.clone() for q in m.parameters()]
+    m.zero_grad()
+    total = 0
+    for i, (q, c) in enumerate(zip(prompts, comps)):
+        logits = m(torch.tensor([q + c]))[0, len(q) - 1:len(q) - 1 + len(c)]        # [len, V]
+        ref = filter_logits(logits, T, k, p).log_softmax(-1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+        assert (lp[i, :len(c)] - ref).abs().max() < 1e-10 and (lp[i, len(c):] == 0).all()
+        total = total + (ref * w[i, :len(c)]).sum()
+    total.backward()
+    for a, q in zip(ours, m.parameters()):
+        assert (a - q.grad).abs().max() < 1e-10
+
+
+def test_head_log_probs_do_not_depend_on_the_chunk():
+    torch.manual_seed(0)
+    h, w = torch.randn(7, 8, dtype=torch.float64, requires_grad=True), torch.randn(11, 8, dtype=torch.float64)
+    w.requires_grad_(True)
+    t = torch.randint(0, 11, (7,))
+    outs = []
+    for chunk in (1, 3, 100):
+        lp, ent = HeadLogProbs.apply(h, w, t, 0.8, 0, 1.0, chunk)
+        gh, gw = torch.autograd.grad((lp * torch.arange(7.0, dtype=torch.float64)).sum(), (h, w))
+        outs.append((lp, ent, gh, gw))
+    z = (h @ w.T / 0.8).log_softmax(-1)  # the dense reference
+    assert torch.allclose(outs[0][0], z.gather(-1, t[:, None])[:, 0], atol=1e-12)
+    assert torch.allclose(outs[0][1], -(z.exp() * z).sum(-1), atol=1e-12)
+    for o in outs[1:]:
+        assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(o, outs[0]))

@@ -60,6 +60,44 @@ def test_micro_batches_respect_budget_and_pad():
     assert train.micro_batches([5], 12, n_micro=3) == [[0], [], []]
 
 
+def test_rank_micro_batches_pack_rows_of_similar_length():
+    cfg = train.parse_args(["--config", SMOKE, "--micro_batch_tokens=40"])
+    run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None, None)
+    lengths = [2, 10, 3, 9, 2, 10, 3, 9]  # prompt + completion lengths, long and short rows interleaved
+    prompts, comps = [[1]] * 8, [[0] * (n - 1) for n in lengths]
+    plan = train.rank_micro_batches(run, prompts, comps)
+    assert sorted(i for rows in plan for i in rows) == list(range(8))  # every row once
+    assert all(len(rows) * max(lengths[i] for i in rows) <= 40 for rows in plan)
+    padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in plan)
+    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in train.micro_batches(lengths, 40))
+    assert plan == [[1, 5, 3, 7], [2, 6, 0, 4]] and padded == 52 < consecutive == 80  # 28 pad tokens fewer
+
+
+def test_collectives_hand_the_backend_tensors_on_the_run_device(monkeypatch):
+    """NCCL rejects CPU tensors, gloo does not: infra's collectives move whatever they get to infra.DEVICE (here a
+    fake device), and train.py / star.py reach torch.distributed only through infra."""
+    seen = []
+    monkeypatch.setattr(infra, "DEVICE", torch.device("meta"))
+    monkeypatch.setattr(infra.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(infra.dist, "all_reduce", lambda x, op=None: seen.append((x.device.type, op)))
+    for x in (3.0, 7, torch.tensor(1.5), torch.zeros(3)):
+        assert infra.all_sum(x).device.type == "meta" and infra.all_max(x).device.type == "meta"
+    assert [d for d, _ in seen] == ["meta"] * 8 and seen[1][1] == infra.dist.ReduceOp.MAX
+    for name in ("train.py", "star.py"):
+        assert "dist." not in open(os.path.join(ROOT, name)).read(), name
+
+
+def test_lr_schedule_is_stepped_once_per_rl_step_whatever_ppo_epochs(tmp_path):
+    lrs = {}
+    for mu in (1, 2):
+        out = tmp_path / f"mu{mu}"
+        train.main(train.parse_args(["--config", SMOKE, f"--out_dir={out}", f"--ppo_epochs={mu}", "--lr=1e-3",
+                                     "--warmup_steps=2", "--eval_every=100", "--eval_n=4", "--ckpt_every=100"]))
+        lrs[mu] = [r["train/lr"] for r in records(out) if r["stage"] == "rl" and "train/lr" in r]
+    # 4 RL steps, warmup 2, cosine from step 2 to the floor 0.1 · lr at step 4: factor(s) after s steps
+    assert lrs[1] == pytest.approx([1e-3, 1e-3, 0.55e-3, 1e-4]) and lrs[2] == lrs[1]
+
+
 @pytest.mark.slow
 def test_smoke_run_sft_then_rl(tmp_path):
     out = str(tmp_path / "run")
@@ -91,10 +129,11 @@ def run_cli(args, nproc=1, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_two_ranks_match_one_rank(tmp_path, agg):
-    """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights."""
-    args = ["--config", SMOKE, f"--agg={agg}", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
+@pytest.mark.parametrize("agg,P", [("token_mean", 4), ("seq_mean_token_mean", 3), ("seq_mean_token_sum_norm", 1)])
+def test_two_ranks_match_one_rank(tmp_path, agg, P):
+    """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights. With P = 3
+    the ranks hold 2 and 1 groups, with P = 1 rank 1 holds none and runs padding passes only."""
+    args = ["--config", SMOKE, f"--agg={agg}", f"--prompts_per_step={P}", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
             "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
             "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
     run_cli(args + [f"--out_dir={tmp_path / 'one'}"])

@@ -41,7 +41,7 @@ MAX_DEG = 32  # degree of a monomial, |exponent| of a non-constant base, index o
 MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767)
 MAX_FACT = 500  # largest n of n! and \binom{n}{k}
 MAX_RADICAND = 10 ** 9  # \sqrt{n}: trial division to 1000 finds n = s^2 m, since m has at most 2 primes above 1000
-MAX_WORK = 5000  # monomial products per answer: bounds the whole normal form's cost
+MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
 MAX_DEPTH = 32  # nesting of brackets in the normal form
 EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<eos>")
 
@@ -256,7 +256,7 @@ class _Form:
                 for k, e in v2:
                     names[k] = names.get(k, 0) + e
                 key = ((m1 // g) * (m2 // g), tuple(sorted(names.items())))  # sqrt(a) sqrt(b) = g sqrt(ab / g^2)
-                out[key] = out.get(key, 0) + (-g if m1 < 0 and m2 < 0 else g) * x * y
+                out[key] = out.get(key, 0) + (x * y if g == 1 else (-g if m1 < 0 and m2 < 0 else g) * x * y)
         return self.check(out)
 
     def value(self, n: dict, d: dict) -> tuple:

@@ -212,11 +212,15 @@ def _unwrap(s: str) -> str:
 
 
 _ONE, _UNIT = (1, ()), {(1, ()): Fraction(1)}  # the monomial 1 and the polynomial 1
-_NAMES = ("varepsilon", "epsilon", "lambda", "varphi", "alpha", "gamma", "delta", "theta", "omega", "sigma", "beta",
-          "zeta", "eta", "phi", "psi", "rho", "tau", "chi", "pi", "mu", "nu", "xi")  # \pi is a name like x
+_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega",
+          "pi")  # Greek letters are names like x
 _FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
                          % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
 _NO_FORM = re.compile(r"(?<![\\a-z])[a-z]{3}|(?<![\d.])\d+\(\d+/\d+\)")  # "yes" is a word, not y*e*s; 2(1/2) x?
+
+
+def _bits(c: Fraction) -> int:
+    return max(c.numerator.bit_length(), c.denominator.bit_length())
 
 
 def _root(c: Fraction, n: int) -> Fraction | None:
@@ -241,10 +245,18 @@ class _Form:
 
     def check(self, p: dict) -> dict:
         p = {m: c for m, c in p.items() if c}
-        if len(p) > MAX_TERMS or any(max(c.numerator.bit_length(), c.denominator.bit_length()) > MAX_BITS
-                                     or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
+        if len(p) > MAX_TERMS or any(_bits(c) > MAX_BITS or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
             raise ValueError("too large")
         return p
+
+    def const(self, c: Fraction | int) -> tuple:
+        return self.check({_ONE: Fraction(c)}), _UNIT
+
+    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
+        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
+        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
+            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
+        return int(c) if integer else c
 
     def mul(self, p: dict, q: dict) -> dict:
         if (work := self.work + len(p) * len(q)) > MAX_WORK:
@@ -252,11 +264,11 @@ class _Form:
         out, self.work = {}, work
         for (m1, v1), x in p.items():
             for (m2, v2), y in q.items():
-                g, names = gcd(m1, m2), dict(v1)
+                g, names = gcd(m1, m2) * (-1 if m1 < 0 and m2 < 0 else 1), dict(v1)  # i i = -1
                 for k, e in v2:
                     names[k] = names.get(k, 0) + e
                 key = ((m1 // g) * (m2 // g), tuple(sorted(names.items())))  # sqrt(a) sqrt(b) = g sqrt(ab / g^2)
-                out[key] = out.get(key, 0) + (x * y if g == 1 else (-g if m1 < 0 and m2 < 0 else g) * x * y)
+                out[key] = out.get(key, 0) + (x * y if g == 1 else g * x * y)
         return self.check(out)
 
     def value(self, n: dict, d: dict) -> tuple:
@@ -277,17 +289,9 @@ class _Form:
         v = (v[1], v[0]) if divide else v
         return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
 
-    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
-        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
-        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
-            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
-        return int(c) if integer else c
-
     def power(self, v: tuple, k: Fraction) -> tuple:
         if k.denominator > 1 or set(v[0]) <= {_ONE} and v[1] == _UNIT:  # a rational base: bound the result first
-            c = self.rational(v)
-            if c == 0 and k <= 0 or max(c.numerator.bit_length(), c.denominator.bit_length()) * abs(k.numerator) > \
-                    MAX_BITS:
+            if (c := self.rational(v)) == 0 and k <= 0 or _bits(c) * abs(k.numerator) > MAX_BITS:
                 raise ValueError("power")
             return self.root(c ** k.numerator, k.denominator)
         if abs(k) > MAX_DEG:
@@ -300,9 +304,9 @@ class _Form:
     def root(self, c: Fraction, n: int) -> tuple:
         """c^(1/n) when it is rational, or sqrt(t) for a rational t: s sqrt(m) / q with m square-free and signed."""
         if c < 0 and n % 2:
-            return self.times(({_ONE: Fraction(-1)}, _UNIT), self.root(-c, n))
+            return self.times(self.const(-1), self.root(-c, n))
         if (r := _root(c, n)) is not None:
-            return self.check({_ONE: r}), _UNIT
+            return self.const(r)
         if n % 2 or (t := _root(abs(c), n // 2)) is None or c < 0 < n - 2:  # \sqrt[4]{4} = \sqrt{2}; no \sqrt[4]{-4}
             raise ValueError("root")
         x, s, m, d = t.numerator * t.denominator, 1, 1, 2  # sqrt(p / q) = sqrt(p q) / q
@@ -316,20 +320,17 @@ class _Form:
         s, m = (s * isqrt(x), m) if isqrt(x) ** 2 == x else (s, m * x)  # x: 1, a prime, p q or p^2 with p, q > 1000
         return {(m if c > 0 else -m, ()): Fraction(s, t.denominator)}, _UNIT  # \sqrt{-4} = 2i
 
-    def log(self, b: Fraction, a: Fraction) -> tuple:
-        """log_b(a) = p/q when it is rational: then b = c^q and a = c^p for a rational c (unique factorisation)."""
-        for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
-            if (c := _root(b, q)) is not None and c != 1:
-                p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
-                if abs(p) <= MAX_DEG and c ** p == a:
-                    return self.check({_ONE: Fraction(p, q)}), _UNIT
-        raise ValueError("log")
-
     def take(self, *ops: str) -> str | None:
         if (t := self.toks[self.pos]) in ops:
             self.pos += 1
             return t
         return None
+
+    def parse(self) -> tuple:
+        v = self.expr()
+        if self.toks[self.pos]:
+            raise ValueError(self.toks[self.pos])
+        return v
 
     def expr(self) -> tuple:
         v = self.term()
@@ -354,7 +355,7 @@ class _Form:
             sign = -sign if t == "-" else sign
         v = self.primary()
         if self.take("!"):
-            v = self.check({_ONE: Fraction(factorial(self.rational(v, integer=True)))}), _UNIT
+            v = self.const(factorial(self.rational(v, integer=True)))
         if not exponent and self.take("^"):
             v = self.power(v, self.rational(self.factor(exponent=True)))
         if self.take("^", "!"):
@@ -363,49 +364,40 @@ class _Form:
 
     def primary(self) -> tuple:
         t, self.pos = self.toks[self.pos], self.pos + 1
-        if t[:1].isdigit() or t[:1] == ".":  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
-            if len(t) > MAX_NUMBER:
-                raise ValueError("number")
+        if t and t[0] in "0123456789." and len(t) <= MAX_NUMBER:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
             num, _, rep = t.partition("\\overline")
             rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
-            return self.check({_ONE: Fraction(num) + rep}), _UNIT
+            return self.const(Fraction(num) + rep)
         if t[:1].isalpha() or t[1:] in _NAMES:
             return {(-1, ()) if t == "i" else (1, ((t, 1),)): Fraction(1)}, _UNIT
         if t in ("(", "{") and self.depth < MAX_DEPTH:
             self.depth += 1
-            v = self.expr()
-            if self.take(")" if t == "(" else "}") is None:
-                raise ValueError("bracket")
-            self.depth -= 1
-            return v
-        if t == "\\sqrt":
+            v, self.depth = self.expr(), self.depth - 1
+            if self.take(")" if t == "(" else "}"):
+                return v
+        if t == "\\sqrt":  # \sqrt[n]{c}
             n, close = (self.rational(self.expr(), integer=True), self.take("]")) if self.take("[") else (2, "]")
-            if not 2 <= n <= MAX_DEG or close is None:
-                raise ValueError("root")
-            return self.root(self.rational(self.primary()), n)
-        if t in ("\\frac", "\\binom"):
-            a, b = self.primary(), self.primary()
-            if t == "\\frac":
-                return self.times(a, b, divide=True)
-            return self.check({_ONE: Fraction(comb(self.rational(a, integer=True), self.rational(b, True)))}), _UNIT
-        if t == "\\log" and self.take("_"):
-            return self.log(self.rational(self.primary()), self.rational(self.primary()))
+            if close and 2 <= n <= MAX_DEG:
+                return self.root(self.rational(self.primary()), n)
+        if t == "\\frac":
+            return self.times(self.primary(), self.primary(), divide=True)
+        if t == "\\binom":
+            return self.const(comb(self.rational(self.primary(), True), self.rational(self.primary(), True)))
+        if t == "\\log" and self.take("_"):  # log_b(a) = p/q iff b = c^q and a = c^p for a rational c
+            b, a = self.rational(self.primary()), self.rational(self.primary())
+            for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
+                if (c := _root(b, q)) is not None and c != 1:
+                    p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
+                    if abs(p) <= MAX_DEG and c ** p == a:
+                        return self.const(Fraction(p, q))
         raise ValueError(t)
 
 
 def _same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
-    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: their values if plain numbers) with n1 d2 == n2 d1.
-
-    sqrt(m) of distinct square-free m are linearly independent over Q and Q(i, sqrt 2, ...)[x, ...] has no zero
-    divisors, so the form is canonical and a nonzero denominator is nonzero: no rationalising, no gcd needed."""
-    forms = []
+    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: their values if plain numbers) with n1 d2 == n2 d1."""
     try:
-        for s, c in ((a, x), (b, y)):
-            p = _Form("" if c is not None else s)
-            forms.append(p.value({_ONE: c} if c else {}, _UNIT) if c is not None else p.expr())
-            if p.toks[p.pos]:
-                return False
-        (n1, d1), (n2, d2) = forms
+        p = _Form(a if x is None else "")
+        (n1, d1), (n2, d2) = p.parse() if x is None else p.const(x), _Form(b).parse() if y is None else p.const(y)
         return p.mul(n1, d2) == p.mul(n2, d1)
     except (ValueError, ZeroDivisionError):
         return False
@@ -469,11 +461,9 @@ def eval_arith(expr: str) -> Fraction | None:
     if len(expr) > MAX_EXPR or not _ARITH.fullmatch(expr) or _GLUED.search(expr):
         return None
     try:
-        p = _Form(expr)
-        v = p.rational(p.expr())  # the normal form's grammar (step 4) restricted to integers and + - * / ( )
+        return (p := _Form(expr)).rational(p.parse())  # the grammar of step 4 on integers and + - * / ( )
     except (ValueError, ZeroDivisionError):
         return None
-    return None if p.toks[p.pos] else v
 
 
 def step_rewards(solution: str) -> list[tuple[int, bool]]:

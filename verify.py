@@ -40,7 +40,7 @@ MAX_TERMS = 64  # terms of one polynomial of the normal form; (x+y+z)^6 has 28
 MAX_DEG = 32  # degree of a monomial, |exponent| of a non-constant base, index of a root
 MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767)
 MAX_FACT = 500  # largest n of n! and \binom{n}{k}
-MAX_RADICAND = 10 ** 9  # \sqrt{n}: trial division to 1000 finds n = s^2 m, since m has at most 2 primes above 1000
+MAX_RADICAND = 10 ** 6  # \sqrt{n}: n = s^2 m by trial division up to 1000
 MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
 MAX_DEPTH = 32  # nesting of brackets in the normal form
 EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<eos>")
@@ -104,7 +104,7 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname|emph)\s*"
                    r"\{([^{}]*)\}")
 _DROP = re.compile(r"\\(?:left|right|displaystyle|qquad|quad|degree)(?![a-z])|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}"
-                   r"|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]")
+                   r"|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]")
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
 _TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
@@ -128,8 +128,7 @@ def _normalize(s: str) -> str:
     s = s.strip().lower()
     s = _last_boxed(s) or s
     for a, b in (("−", "-"), ("×", "\\times"), ("·", "\\cdot"), ("±", "\\pm"), ("∞", "\\infty"), ("π", "\\pi"),
-                 ("√", "\\sqrt"), ("{,}", ","), ("÷", "\\div"),
-                 ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom")):
+                 ("√", "\\sqrt"), ("{,}", ","), ("÷", "\\div")):
         s = s.replace(a, b)
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
@@ -146,29 +145,22 @@ def _normalize(s: str) -> str:
 
 
 _DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
-_MIXED = re.compile(r"(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
+_MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
 
 
-def _decimal(s: str) -> Fraction | None:
-    """'1,000.50', '-.5', '1e-3' -> Fraction; thousands groups must all be 3 digits."""
-    m = _DECIMAL.fullmatch(s) if len(s) <= MAX_NUMBER else None
-    if not m or not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
+def _number(s: str) -> Fraction | None:
+    """'1,000.50', '-.5', '1e-3', '2(1/2)' -> Fraction, else None; thousands groups must all be 3 digits.
+
+    1/2, 1.5\times10^{3} and 2^{10} are expressions whose normal forms (step 4) are numbers."""
+    if len(s) > MAX_NUMBER or not (m := _MIXED.fullmatch(s) or _DECIMAL.fullmatch(s)):
+        return None
+    if m.re is _MIXED:
+        return (-1 if m[1] == "-" else 1) * (int(m[2]) + Fraction(int(m[3]), int(m[4]))) if int(m[4]) else None
+    if not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
         return None
     scale, digits = exp - len(m[3] or ""), int(m[2].replace(",", "") + (m[3] or "") or "0")  # digits * 10^scale
     v = Fraction(digits * 10 ** scale) if scale >= 0 else Fraction(digits, 10 ** -scale)
     return -v if m[1] == "-" else v
-
-
-def _number(s: str) -> Fraction | None:
-    """Exact value of a normalised numeric answer, or None if it is not one."""
-    if not s or len(s) > MAX_NUMBER:
-        return None
-    sign, s = (-1 if s[0] == "-" else 1), (s[1:] if s[0] in "+-" else s)
-    if m := _MIXED.fullmatch(s):
-        v = int(m[1]) + Fraction(int(m[2]), int(m[3])) if int(m[3]) else None
-    else:  # 1/2, 1.5\times10^{3} and 2^{10} are expressions: their normal forms are numbers
-        v = _decimal(s)
-    return None if v is None else sign * v
 
 
 def _wraps(s: str) -> bool:
@@ -212,15 +204,11 @@ def _unwrap(s: str) -> str:
 
 
 _ONE, _UNIT = (1, ()), {(1, ()): Fraction(1)}  # the monomial 1 and the polynomial 1
-_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega",
-          "pi")  # Greek letters are names like x
+_NAMES = ("alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega", "pi")  # x
 _FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
                          % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
+_TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
 _NO_FORM = re.compile(r"(?<![\\a-z])[a-z]{3}|(?<![\d.])\d+\(\d+/\d+\)")  # "yes" is a word, not y*e*s; 2(1/2) x?
-
-
-def _bits(c: Fraction) -> int:
-    return max(c.numerator.bit_length(), c.denominator.bit_length())
 
 
 def _root(c: Fraction, n: int) -> Fraction | None:
@@ -245,7 +233,8 @@ class _Form:
 
     def check(self, p: dict) -> dict:
         p = {m: c for m, c in p.items() if c}
-        if len(p) > MAX_TERMS or any(_bits(c) > MAX_BITS or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
+        if len(p) > MAX_TERMS or any(max(c.numerator.bit_length(), c.denominator.bit_length()) > MAX_BITS
+                                     or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
             raise ValueError("too large")
         return p
 
@@ -280,10 +269,7 @@ class _Form:
     def add(self, u: tuple, v: tuple, sign: int) -> tuple:
         (a, b), (c, d) = u, v
         a, c, b = (a, c, b) if b == d else (self.mul(a, d), self.mul(c, b), self.mul(b, d))
-        out = dict(a)
-        for m, x in c.items():
-            out[m] = out.get(m, 0) + sign * x
-        return self.value(self.check(out), b)
+        return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
 
     def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
         v = (v[1], v[0]) if divide else v
@@ -291,7 +277,8 @@ class _Form:
 
     def power(self, v: tuple, k: Fraction) -> tuple:
         if k.denominator > 1 or set(v[0]) <= {_ONE} and v[1] == _UNIT:  # a rational base: bound the result first
-            if (c := self.rational(v)) == 0 and k <= 0 or _bits(c) * abs(k.numerator) > MAX_BITS:
+            c = self.rational(v)
+            if c == 0 and k <= 0 or max(abs(c.numerator), c.denominator).bit_length() * abs(k.numerator) > MAX_BITS:
                 raise ValueError("power")
             return self.root(c ** k.numerator, k.denominator)
         if abs(k) > MAX_DEG:
@@ -309,45 +296,33 @@ class _Form:
             return self.const(r)
         if n % 2 or (t := _root(abs(c), n // 2)) is None or c < 0 < n - 2:  # \sqrt[4]{4} = \sqrt{2}; no \sqrt[4]{-4}
             raise ValueError("root")
-        x, s, m, d = t.numerator * t.denominator, 1, 1, 2  # sqrt(p / q) = sqrt(p q) / q
-        if x > MAX_RADICAND:
+        m, s = t.numerator * t.denominator, 1  # sqrt(p / q) = sqrt(p q) / q = s sqrt(m) / q, m square-free
+        for d in range(2, isqrt(m) + 1 if m <= MAX_RADICAND else 0):  # trial division, at most 1000 steps
+            while m % (d * d) == 0:
+                m, s = m // (d * d), s * d
+        if m > MAX_RADICAND:
             raise ValueError("radicand")
-        while d <= 1000 and d * d <= x:  # trial division: x = s^2 m
-            while x % d == 0:
-                x //= d
-                m, x, s = (m * d, x, s) if x % d else (m, x // d, s * d)
-            d += 1
-        s, m = (s * isqrt(x), m) if isqrt(x) ** 2 == x else (s, m * x)  # x: 1, a prime, p q or p^2 with p, q > 1000
         return {(m if c > 0 else -m, ()): Fraction(s, t.denominator)}, _UNIT  # \sqrt{-4} = 2i
 
     def take(self, *ops: str) -> str | None:
-        if (t := self.toks[self.pos]) in ops:
-            self.pos += 1
-            return t
-        return None
+        t = self.toks[self.pos] if self.toks[self.pos] in ops else None
+        self.pos += t is not None
+        return t
 
-    def parse(self) -> tuple:
-        v = self.expr()
-        if self.toks[self.pos]:
-            raise ValueError(self.toks[self.pos])
-        return v
-
-    def expr(self) -> tuple:
+    def expr(self, whole: bool = False) -> tuple:
         v = self.term()
         while t := self.take("+", "-"):
             v = self.add(v, self.term(), 1 if t == "+" else -1)
+        if whole and self.toks[self.pos]:
+            raise ValueError(self.toks[self.pos])
         return v
 
     def term(self) -> tuple:
         v = self.factor()
-        while True:
-            if t := self.take("*", "\\cdot", "\\times", "/", "\\div"):
-                v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
-            elif (t := self.toks[self.pos])[:1].isalpha() or t[1:] in _NAMES or t in ("(", "{", "\\sqrt", "\\frac",
-                                                                                     "\\binom", "\\log"):
-                v = self.times(v, self.factor())  # 2x, x(x+1), 3\sqrt{2}; never before a number: x2, (x)2
-            else:
-                return v
+        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS:
+            self.pos += t in _TIMES  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}; never before a number (x2, (x)2)
+            v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
+        return v
 
     def factor(self, exponent: bool = False) -> tuple:
         sign = 1
@@ -394,10 +369,11 @@ class _Form:
 
 
 def _same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
-    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: their values if plain numbers) with n1 d2 == n2 d1."""
+    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1."""
     try:
         p = _Form(a if x is None else "")
-        (n1, d1), (n2, d2) = p.parse() if x is None else p.const(x), _Form(b).parse() if y is None else p.const(y)
+        u = p.expr(whole=True) if x is None else p.const(x)
+        (n1, d1), (n2, d2) = u, _Form(b).expr(whole=True) if y is None else p.const(y)
         return p.mul(n1, d2) == p.mul(n2, d1)
     except (ValueError, ZeroDivisionError):
         return False
@@ -461,7 +437,7 @@ def eval_arith(expr: str) -> Fraction | None:
     if len(expr) > MAX_EXPR or not _ARITH.fullmatch(expr) or _GLUED.search(expr):
         return None
     try:
-        return (p := _Form(expr)).rational(p.parse())  # the grammar of step 4 on integers and + - * / ( )
+        return (p := _Form(expr)).rational(p.expr(whole=True))  # the grammar of step 4 on integers and + - * / ( )
     except (ValueError, ZeroDivisionError):
         return None
 

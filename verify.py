@@ -19,8 +19,8 @@ function returns in milliseconds on 100 KB of adversarial text.
      expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
      factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
      primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
-   Roots and logs count only where exact (\sqrt{8} = 2\sqrt{2}, \sqrt[3]{27} = 3, \log_2 8 = 3); words, \pm,
-   \sqrt{x}, 2^3^4 and every size past MAX_TERMS / MAX_DEG / MAX_BITS / MAX_WORK have no form: never equal.
+   Roots and logs count only where exact (\sqrt{8} = 2\sqrt{2}, \sqrt[3]{27} = 3, \log_2 8 = 3). No form, never
+   equal: words ("yes" is no y*e*s), f(x), x+2(1/2) (mixed?), \cdots, \pm, \sqrt{x}, 2^3^4, sizes past MAX_*.
 5. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
 6. step_rewards: each "expr=value" step checked by eval_arith, the grammar of 4 on integers and + - * / ( ).
 
@@ -207,7 +207,7 @@ _NAMES = ("alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "rho", "si
 _FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
                          % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
 _TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
-_NO_FORM = re.compile(r"(?<![\\a-z])[a-z]{3}|(?<![\d.])\d+\(\d+/\d+\)")  # "yes" is a word, not y*e*s; 2(1/2) x?
+_NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 4
 
 
 def _root(c: Fraction, n: int) -> Fraction | None:

@@ -1,8 +1,7 @@
 r"""Answer checking for reasoning RL: extraction, normalisation, exact (symbolic) equivalence and rewards.
 
-Pure Python on strings: no torch, no eval/exec, no CAS. Scans are linear and inputs bounded (MAX_*: longer
-answers are never equivalent; huge numbers, powers and expansions are rejected, not computed), so every public
-function returns in milliseconds on 100 KB of adversarial text.
+Pure Python on strings: no torch, no eval/exec, no CAS. Scans are linear, inputs bounded (MAX_*: longer answers
+are never equal; huge numbers and expansions are rejected, not computed): milliseconds on 100 KB of adversarial text.
 
 1. extract_answer: the content of the last <answer>...</answer> (or the answer found inside it); else the
    last balanced \boxed{...} / \fbox{...} / `\boxed 5`; else the rest of the line after the last "####";
@@ -313,8 +312,9 @@ class _Form:
 
     def term(self) -> tuple:
         v = self.factor()
-        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS:
-            self.pos += t in _TIMES  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}; never before a number (x2, (x)2)
+        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS or (
+                t[:1].isdigit() and self.toks[self.pos - 1] == "!"):  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}, 2!4!
+            self.pos += t in _TIMES  # a number never follows anything else: x2, (x)2 are rejected
             v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
         return v
 

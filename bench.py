@@ -16,6 +16,10 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
 
   python bench.py --size 2m                 python bench.py --size 20m --repeats 2
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
+
+--verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers,
+long and adversarial texts), one thread, and, if math-verify is importable (not a dependency), its calls/s and its
+agreement with ours on the same mix:  python bench.py --verify
 """
 import argparse
 import json
@@ -26,8 +30,61 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+import verify
 from model import ModelConfig, Transformer
 from rollout import generate
+
+
+# ------------------------------------------------------------------------------- verify.reward calls/s
+VERIFY_FAMILIES = [  # gold, a right answer, a wrong one
+    ("72", "72", "73"), ("1000", "1,000", "100"), ("0.5", r"\frac{1}{2}", r"\frac{1}{3}"),
+    (r"\frac{3}{4}", "0.75", r"\frac{4}{3}"), ("(1,2)", "(1, 2)", "(2,1)"), ("[2,5)", "[2, 5)", "[2,5]"),
+    (r"\{1,2\}", r"\{2, 1\}", r"\{1, 3\}"), ("18.90", r"\$18.9", "18.09"), (r"\text{(C)}", "C", "D"),
+    (r"2\sqrt{2}", r"\sqrt{8}", r"\sqrt{4}"), ("x^2+2x+1", "(x+1)^2", "x^2+1"), ("3+4i", "4i+3", "3-4i"),
+    (r"\frac{\pi}{2}", r"\frac{1}{2}\pi", r"2\pi"), (r"\frac{\sqrt2}{2}", r"\frac{1}{\sqrt{2}}", r"\sqrt2"),
+    ("3", r"\log_2 8", r"\log_2 4"), ("120", "5!", "100"), (r"\frac13", r"0.\overline{3}", "0.33"),
+    (r"\frac{x+2}{7}", r"\frac{x}{7}+\frac{2}{7}", r"\frac{x}{7}+2"), ("10", r"\binom{5}{2}", r"\binom{5}{1}"),
+]
+
+
+def verify_mix() -> list[tuple[str, str]]:
+    """(completion, gold) pairs: each family right and wrong, in three answer formats; GSM8K lines; long texts
+    (10 KB of reasoning with and without a final answer); adversarial boxes (unclosed, power towers, nesting)."""
+    pairs = []
+    for gold, right, wrong in VERIFY_FAMILIES:
+        for pred in (right, wrong):
+            pairs += [(f"<think>so on</think><answer>{pred}</answer>", gold), (f"Thus $\\boxed{{{pred}}}$.", gold),
+                      (f"The answer is ${pred}$.", gold)]
+    pairs += [(f"Natalia sold {i} clips.\n#### {i * 2}", str(i * 2 + i % 2)) for i in range(10)]
+    filler = "We add 12 and 30 to get 42, then check 7 * 6 = 42. " * 200
+    pairs += [(filler + r"\boxed{42}", "42"), (filler + "so it is 42", "42"), (filler, "42")]
+    pairs += [("\\boxed{" + "{" * 20000, "1"), ("\\boxed{" + "10^" * 160 + "10}", "1"), (r"\boxed{1000!}", "1"),
+              ("\\boxed{" + "(" * 240 + "x" + ")" * 240 + "}", "x"), (r"\boxed{(a+b+c+d)^{30}}", "1")]
+    return pairs
+
+
+def bench_verify(rounds: int = 20):
+    pairs = verify_mix()
+    t0 = time.perf_counter()
+    ours = [[verify.reward(c, g) for c, g in pairs] for _ in range(rounds)][0]
+    rate = rounds * len(pairs) / (time.perf_counter() - t0)
+    print(f"verify.reward: {rate:,.0f} calls/s on {len(pairs)} completions x {rounds} rounds, {sum(ours):.0f} rewarded")
+    try:
+        from math_verify import parse, verify as mv_verify
+    except ImportError:
+        return print("math-verify is not installed: no comparison")
+    t0, theirs = time.perf_counter(), []
+    for c, g in pairs:  # the call TRL's and verl's reward functions make; its own timeouts on
+        theirs.append(float(mv_verify(parse(f"${g}$"), parse(c))))  # a bare gold needs $...$ to parse as LaTeX
+    mv_rate = len(pairs) / (time.perf_counter() - t0)
+    agree = sum(a == b for a, b in zip(ours, theirs)) / len(pairs)
+    answers = [(p, g) for g, *preds in VERIFY_FAMILIES for p in preds]  # equivalence alone, without extraction
+    same = sum(verify.is_equiv(p, g) == mv_verify(parse(f"${g}$"), parse(f"${p}$")) for p, g in answers) / len(answers)
+    print(f"math-verify:   {mv_rate:,.0f} calls/s, {sum(theirs):.0f} rewarded; agreement with ours {agree:.1%} on "
+          f"completions, {same:.1%} on the {len(answers)} bare answers; ours / math-verify {rate / mv_rate:,.0f}x")
+    print(json.dumps({"verify_calls_s": rate, "math_verify_calls_s": mv_rate, "agreement": agree,
+                      "answer_agreement": same, "n": len(pairs)}))
+
 
 PRESETS = {
     "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
@@ -44,7 +101,12 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
+p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
 args = p.parse_args()
+if args.verify:
+    torch.set_num_threads(1)
+    bench_verify()
+    raise SystemExit
 torch.set_num_threads(args.threads)
 dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
 

@@ -1,32 +1,46 @@
-r"""Answer checking for reasoning RL: extraction, normalisation, exact equivalence and rewards.
+r"""Answer checking for reasoning RL: extraction, normalisation, exact (symbolic) equivalence and rewards.
 
-Pure Python on strings: no torch, no eval/exec/sympy. Scans are linear and inputs bounded (MAX_*: longer
-answers are never equivalent; huge numbers and exponents are rejected, not computed), so every public
-function returns in milliseconds on 100 KB of adversarial text.
+Pure Python on strings: no torch, no eval/exec, no CAS. Scans are linear, inputs bounded (MAX_*: longer answers
+are never equal; huge numbers and expansions are rejected, not computed): milliseconds on 100 KB of adversarial text.
 
 1. extract_answer: the content of the last <answer>...</answer> (or the answer found inside it); else the
    last balanced \boxed{...} / \fbox{...} / `\boxed 5`; else the rest of the line after the last "####";
-   else what follows "the (final) answer is" / "Final answer:"; else None. lenient=True adds the last
-   number in the text: for evaluating base models only, never for rewards.
+   else the sentence after "the (final) answer is" / "Final answer:", without **emphasis** or a reason after a
+   comma (", since ..."); else None. lenient=True adds the last number: for base models only, never rewards.
 2. _normalize: lower-case; drop $, \text{}, \left/\right, spacing, degrees, percent, currency, unit words,
-   a leading "x ="; one spelling for \dfrac, \frac12, \sqrt2; \frac{a}{b} -> a/b for simple a, b.
-3. _equal: numbers (1,000  2.50  1/2  1e3  1.5\times10^{3}  10^3) compare as exact Fractions; tuples and
-   intervals element-wise, bracket types kept; sets, bare comma lists and \cup-unions as multisets;
-   anything else by normalised string equality. reward(completion, gold) = 1.0 iff 1-3 agree.
-4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
-5. step_rewards: each "expr=value" step checked by eval_arith, recursive descent over Fractions:
-   expr := term (('+'|'-') term)*   term := unary (('*'|'/') unary)*   unary := ('+'|'-') unary | int | (expr)
+   a leading "x ="; one spelling for \dfrac, \frac12, \sqrt2, x_1; \frac{a}{b} -> a/b for simple a, b.
+3. _equal: numbers (1,000  2.50  1e3  2\frac{1}{2}) compare as exact Fractions; tuples and intervals
+   element-wise, bracket types kept; sets, bare comma lists and \cup-unions as multisets; any other pair is
+   equal iff the strings are or step 4 proves it. reward(completion, gold) = 1.0 iff 1-4 agree.
+4. _Form, an exact normal form: numerator / denominator, expanded polynomials in the names that appear (x, a_1,
+   \theta, \pi, e; i is the imaginary unit) over Q(i, sqrt 2, sqrt 3, ...), whose square roots of square-free
+   integers are independent over Q: the form is canonical, so n1/d1 = n2/d2 iff n1 d2 == n2 d1. Recursive descent:
+     expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
+     factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
+     primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
+   Roots and logs count only where exact (\sqrt{8} = 2\sqrt{2}, \sqrt[3]{27} = 3, \log_2 8 = 3). No form, never
+   equal: words ("yes" is no y*e*s), f(x), x+2(1/2) (mixed?), \cdots, \pm, \sqrt{x}, 2^3^4, sizes past MAX_*.
+5. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
+6. step_rewards: each "expr=value" step checked by eval_arith, the grammar of 4 on integers and + - * / ( ).
 
 Tests: python -m pytest -q tests/test_verify.py
 """
 import re
 from fractions import Fraction
+from math import comb, factorial, gcd, isqrt, log
 
 MAX_ANSWER = 500  # characters: longer answers are never equivalent
 MAX_NUMBER = 300  # characters of one number (digits, separators, exponent); longer ones are rejected
 MAX_EXP = 1000  # |exponent| of 1e5 / 10^{5}; 10^100000 is rejected, not computed
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
 MAX_STEPS = 256  # steps scored by step_rewards; later ones are ignored
+MAX_TERMS = 64  # terms of one polynomial of the normal form; (x+y+z)^6 has 28
+MAX_DEG = 32  # degree of a monomial, index of a root
+MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767)
+MAX_FACT = 500  # largest n of n! and \binom{n}{k}
+MAX_RADICAND = 10 ** 6  # \sqrt{n}: n = s^2 m by trial division up to 1000
+MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
+MAX_DEPTH = 32  # nesting of brackets in the normal form
 EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<eos>")
 
 _BRACE = re.compile(r"[{}]")
@@ -34,6 +48,7 @@ _SPACES = re.compile(r" *")
 _TOKEN = re.compile(r"[^\s$]+")
 _ANSWER_IS = re.compile(r"answer(?: is\b|[ \t*]*:)", re.I)  # "the (final) answer is", "Final Answer:"
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_BECAUSE = re.compile(r",\s+(?:since|because|as|so|which|where|given|from|by|using|thus|hence)\b", re.I)  # why
 _NUMBER_AT_END = re.compile(r"-?\d[\d,]*(?:\.\d+)?$")
 
 
@@ -73,9 +88,9 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
             rest = _last_boxed(rest) or rest
         elif rest.startswith("$") and (k := rest.find("$", 1)) > 1:
             rest = rest[1:k]
-        elif e := _SENTENCE_END.search(rest):
-            rest = rest[:e.start()]
-        if rest := rest.strip().rstrip(".").strip():
+        else:  # the sentence, without a justification after a comma ("7, since 3 + 4 = 7")
+            rest = _BECAUSE.split(_SENTENCE_END.split(rest, 1)[0], 1)[0]
+        if rest := rest.strip(" \t*").rstrip(".").strip(" \t*"):  # **42** is markdown emphasis
             return rest
     if lenient:  # the last number: rfind per digit is C-speed, a regex scan over 100 KB is not
         k = max(text.rfind(c) for c in "0123456789") + 1
@@ -87,9 +102,9 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname|emph)\s*"
                    r"\{([^{}]*)\}")
 _DROP = re.compile(r"\\(?:left|right|displaystyle|qquad|quad|degree)(?![a-z])|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}"
-                   r"|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]")
-_FRAC_ARGS = re.compile(r"\\frac\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}, \frac{1}2
-_SQRT = re.compile(r"\\sqrt\s*([^\s{\\\[])")  # \sqrt2
+                   r"|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]")
+_FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
+_SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
 _TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
 _UNITS = re.compile(r"(?<=[\d}])(?:\s+[a-z]{2,}(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
 _LHS = re.compile(r"(?:[a-z](?:_\{?[a-z0-9]+\}?)?|\\[a-z]+)(?:=|\\in(?![a-z]))")  # "x=", "a_1=", "\theta=", "x\in"
@@ -111,13 +126,13 @@ def _normalize(s: str) -> str:
     s = s.strip().lower()
     s = _last_boxed(s) or s
     for a, b in (("−", "-"), ("×", "\\times"), ("·", "\\cdot"), ("±", "\\pm"), ("∞", "\\infty"), ("π", "\\pi"),
-                 ("√", "\\sqrt"), ("{,}", ","), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac")):
+                 ("√", "\\sqrt"), ("{,}", ","), ("÷", "\\div")):
         s = s.replace(a, b)
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
         s = _TEXT.sub(r" \1", s)
-    s = _SQRT.sub(r"\\sqrt{\1}", s)
-    s = _FRAC_ARGS.sub(lambda m: "\\frac" + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()), s)
+    s = _SQRT.sub(r"\1{\2}", s)
+    s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
     s = _UNITS.sub("", s.strip().rstrip(".").strip())
     s = re.sub(r"\s+", "", s)
     for _ in range(4):  # outer \frac first, then the ones it held
@@ -128,39 +143,22 @@ def _normalize(s: str) -> str:
 
 
 _DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
-_SCIENTIFIC = re.compile(r"([\d.,]+)(?:\\times|\\cdot|\*)10\^\{?([+-]?\d+)\}?")
-_POWER = re.compile(r"([\d.]+)\^\{?([+-]?\d+)\}?")
-_MIXED = re.compile(r"(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
+_MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
 
 
-def _decimal(s: str) -> Fraction | None:
-    """'1,000.50', '-.5', '1e-3' -> Fraction; thousands groups must all be 3 digits."""
-    m = _DECIMAL.fullmatch(s) if len(s) <= MAX_NUMBER else None
-    if not m or not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
+def _number(s: str) -> Fraction | None:
+    """'1,000.50', '-.5', '1e-3', '2(1/2)' -> Fraction, else None; thousands groups must all be 3 digits.
+
+    1/2, 1.5\times10^{3} and 2^{10} are expressions whose normal forms (step 4) are numbers."""
+    if len(s) > MAX_NUMBER or not (m := _MIXED.fullmatch(s) or _DECIMAL.fullmatch(s)):
+        return None
+    if m.re is _MIXED:
+        return (-1 if m[1] == "-" else 1) * (int(m[2]) + Fraction(int(m[3]), int(m[4]))) if int(m[4]) else None
+    if not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
         return None
     scale, digits = exp - len(m[3] or ""), int(m[2].replace(",", "") + (m[3] or "") or "0")  # digits * 10^scale
     v = Fraction(digits * 10 ** scale) if scale >= 0 else Fraction(digits, 10 ** -scale)
     return -v if m[1] == "-" else v
-
-
-def _number(s: str) -> Fraction | None:
-    """Exact value of a normalised numeric answer, or None if it is not one."""
-    if not s or len(s) > MAX_NUMBER:
-        return None
-    sign, s = (-1 if s[0] == "-" else 1), (s[1:] if s[0] in "+-" else s)
-    if m := _MIXED.fullmatch(s):
-        v = int(m[1]) + Fraction(int(m[2]), int(m[3])) if int(m[3]) else None
-    elif s.count("/") == 1:
-        a, b = (_decimal(t) for t in s.split("/"))
-        v = a / b if a is not None and b else None
-    elif m := _SCIENTIFIC.fullmatch(s) or _POWER.fullmatch(s):
-        base, exp = _decimal(m[1]), int(m[2])
-        if base is None or abs(exp) > MAX_EXP or len(m[1]) * abs(exp) > 10_000 or (base == 0 and exp < 0):
-            return None
-        v = base * Fraction(10) ** exp if m.re is _SCIENTIFIC else base ** exp
-    else:
-        v = _decimal(s)
-    return None if v is None else sign * v
 
 
 def _wraps(s: str) -> bool:
@@ -203,15 +201,187 @@ def _unwrap(s: str) -> str:
     return s
 
 
+_ONE, _UNIT = (1, ()), {(1, ()): Fraction(1)}  # the monomial 1 and the polynomial 1
+_NAMES = ("alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega", "pi")  # x
+_FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
+                         % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
+_TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
+_NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 4
+
+
+def _root(c: Fraction, n: int) -> Fraction | None:
+    """The exact real n-th root of a rational c, or None (integer Newton from above on numerator and denominator)."""
+    out = []
+    for x in (abs(c.numerator), c.denominator):
+        r = 1 << -(-x.bit_length() // n)
+        while r and (y := ((n - 1) * r + x // r ** (n - 1)) // n) < r:
+            r = y
+        out.append(r)
+    return r if (r := Fraction(*out) * (-1 if c < 0 else 1)) ** n == c else None
+
+
+class _Form:
+    """Step 4: a value is (numerator, denominator), polynomials as dicts {monomial: Fraction}; a monomial is
+    (m, ((name, exponent), ...)) with m a signed square-free integer for sqrt(m) (1: none, -1: i), names sorted."""
+
+    def __init__(self, s: str):
+        if _NO_FORM.search(s):
+            raise ValueError(s)
+        self.toks, self.pos, self.work, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0, 0
+
+    def check(self, p: dict) -> dict:
+        p = {m: c for m, c in p.items() if c}
+        if len(p) > MAX_TERMS or any(max(c.numerator.bit_length(), c.denominator.bit_length()) > MAX_BITS
+                                     or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
+            raise ValueError("too large")
+        return p
+
+    def const(self, c: Fraction | int) -> tuple:
+        return self.check({_ONE: Fraction(c)}), _UNIT
+
+    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
+        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
+        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
+            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
+        return int(c) if integer else c
+
+    def mul(self, p: dict, q: dict) -> dict:
+        if (work := self.work + len(p) * len(q)) > MAX_WORK:
+            raise ValueError("too much work")
+        out, self.work = {}, work
+        for (m1, v1), x in p.items():
+            for (m2, v2), y in q.items():
+                g = gcd(m1, m2) * (-1 if m1 < 0 and m2 < 0 else 1)  # i i = -1
+                names = (n1 := dict(v1)) | {k: n1.get(k, 0) + e for k, e in v2}
+                key = ((m1 // g) * (m2 // g), tuple(sorted(names.items())))  # sqrt(a) sqrt(b) = g sqrt(ab / g^2)
+                out[key] = out.get(key, 0) + (x * y if g == 1 else g * x * y)
+        return self.check(out)
+
+    def value(self, n: dict, d: dict) -> tuple:
+        if not d:
+            raise ZeroDivisionError
+        c = d.get(_ONE) if len(d) == 1 else None  # a rational denominator goes into the coefficients
+        return (n, d) if c is None else ({m: x / c for m, x in n.items()}, _UNIT)
+
+    def add(self, u: tuple, v: tuple, sign: int) -> tuple:
+        (a, b), (c, d) = u, v
+        a, c, b = (a, c, b) if b == d else (self.mul(a, d), self.mul(c, b), self.mul(b, d))
+        return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
+
+    def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
+        v = (v[1], v[0]) if divide else v
+        return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
+
+    def power(self, v: tuple, k: Fraction) -> tuple:
+        if k.denominator > 1 or set(v[0]) <= {_ONE} and v[1] == _UNIT:  # a rational base: bound the result first
+            c = self.rational(v)
+            if c == 0 and k <= 0 or max(abs(c.numerator), c.denominator).bit_length() * abs(k.numerator) > MAX_BITS:
+                raise ValueError("power")
+            return self.root(c ** k.numerator, k.denominator)
+        out = (_UNIT, _UNIT)
+        for _ in range(abs(int(k))):  # MAX_WORK ends i^(10^9) and x^(10^9) early
+            out = self.times(out, v, divide=k < 0)
+        return out
+
+    def root(self, c: Fraction, n: int) -> tuple:
+        """c^(1/n) when it is rational, or sqrt(t) for a rational t: s sqrt(m) / q with m square-free and signed."""
+        if (r := _root(c, n)) is not None:
+            return self.const(r)
+        if n % 2 or (t := _root(abs(c), n // 2)) is None or c < 0 < n - 2:  # \sqrt[4]{4} = \sqrt{2}; no \sqrt[4]{-4}
+            raise ValueError("root")
+        m, s = t.numerator * t.denominator, 1  # sqrt(p / q) = sqrt(p q) / q = s sqrt(m) / q, m square-free
+        for d in range(2, isqrt(m) + 1 if m <= MAX_RADICAND else 0):  # trial division, at most 1000 steps
+            while m % (d * d) == 0:
+                m, s = m // (d * d), s * d
+        if m > MAX_RADICAND:
+            raise ValueError("radicand")
+        return {(m if c > 0 else -m, ()): Fraction(s, t.denominator)}, _UNIT  # \sqrt{-4} = 2i
+
+    def take(self, *ops: str) -> str | None:
+        t = self.toks[self.pos] if self.toks[self.pos] in ops else None
+        self.pos += t is not None
+        return t
+
+    def expr(self, whole: bool = False) -> tuple:
+        v = self.term()
+        while t := self.take("+", "-"):
+            v = self.add(v, self.term(), 1 if t == "+" else -1)
+        if whole and self.toks[self.pos]:
+            raise ValueError(self.toks[self.pos])
+        return v
+
+    def term(self) -> tuple:
+        v = self.factor()
+        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS or (
+                t[:1].isdigit() and self.toks[self.pos - 1] == "!"):  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}, 2!4!
+            self.pos += t in _TIMES  # a number never follows anything else: x2, (x)2 are rejected
+            v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
+        return v
+
+    def factor(self, exponent: bool = False) -> tuple:
+        sign = 1
+        while t := self.take("+", "-"):
+            sign = -sign if t == "-" else sign
+        v = self.primary()
+        if not exponent and self.take("!"):  # 2^3! and 5!! are left over, so rejected: ambiguous, as 2^3^4
+            v = self.const(factorial(self.rational(v, integer=True)))
+        if not exponent and self.take("^"):
+            v = self.power(v, self.rational(self.factor(exponent=True)))
+        return v if sign > 0 else ({m: -c for m, c in v[0].items()}, v[1])
+
+    def primary(self) -> tuple:
+        t, self.pos = self.toks[self.pos], self.pos + 1
+        if t and t[0] in "0123456789." and len(t) <= MAX_NUMBER:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
+            num, _, rep = t.partition("\\overline")
+            rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
+            return self.const(Fraction(num) + rep)
+        if t[:1].isalpha() or t[1:] in _NAMES:
+            return {(-1, ()) if t == "i" else (1, ((t, 1),)): Fraction(1)}, _UNIT
+        if t in ("(", "{") and self.depth < MAX_DEPTH:
+            self.depth += 1
+            v, self.depth = self.expr(), self.depth - 1
+            if self.take(")" if t == "(" else "}"):
+                return v
+        if t == "\\sqrt":  # \sqrt[n]{c}
+            n, close = (self.rational(self.expr(), integer=True), self.take("]")) if self.take("[") else (2, "]")
+            if close and 2 <= n <= MAX_DEG:
+                return self.root(self.rational(self.primary()), n)
+        if t == "\\frac":
+            return self.times(self.primary(), self.primary(), divide=True)
+        if t == "\\binom":
+            return self.const(comb(self.rational(self.primary(), True), self.rational(self.primary(), True)))
+        if t == "\\log" and self.take("_"):  # log_b(a) = p/q iff b = c^q and a = c^p for a rational c
+            b, a = self.rational(self.primary()), self.rational(self.primary())
+            for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
+                if (c := _root(b, q)) is not None and c != 1:
+                    p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
+                    if abs(p) <= MAX_DEG and c ** p == a:
+                        return self.const(Fraction(p, q))
+        raise ValueError(t)
+
+
+def _same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
+    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1."""
+    try:
+        p = _Form(a if x is None else "")
+        u = p.expr(whole=True) if x is None else p.const(x)
+        (n1, d1), (n2, d2) = u, _Form(b).expr(whole=True) if y is None else p.const(y)
+        return p.mul(n1, d2) == p.mul(n2, d1)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
 def _equal(a: str, b: str, depth: int = 0) -> bool:
     a, b = _unwrap(a), _unwrap(b)
     if a == b:
         return True
     x, y = _number(a), _number(b)
-    if x is not None or y is not None:
+    if x is not None and y is not None:
         return x == y
     pa, pb = _parts(a), _parts(b)
-    if depth > 4 or pa is None or pb is None or pa[0] != pb[0] or len(pa[1]) != len(pb[1]) or len(pa[1]) > 32:
+    if x is not None or y is not None or pa is None or pb is None:  # an expression on one side: the normal form decides
+        return _same(a, x, b, y)
+    if depth > 4 or pa[0] != pb[0] or len(pa[1]) != len(pb[1]) or len(pa[1]) > 32:
         return False
     if pa[0] != "set":
         return all(_equal(u, v, depth + 1) for u, v in zip(pa[1], pb[1]))
@@ -248,40 +418,20 @@ def format_reward(completion: str) -> float:
     return float(ok and bool(s[ans + 8:-9].strip()))
 
 
-_ARITH_TOKEN = re.compile(r"[0-9]+|\S")
 _STEP = re.compile(r"[^;\s](?:[^;\n]*[^;\s])?")  # a step without its surrounding whitespace
+_ARITH = re.compile(r"[0-9+\-*/()\s]*")
+_GLUED = re.compile(r"[0-9)]\s*\(|[0-9]\s+[0-9]")  # 2(3), (1)(2) and "1 2": no implicit products in arithmetic
 
 
 def eval_arith(expr: str) -> Fraction | None:
     """Exact value of an integer expression with + - * / ( ) and standard precedence; None if malformed or /0."""
-    if len(expr) > MAX_EXPR:  # also bounds the recursion depth
+    expr = expr.replace("×", "*").replace("÷", "/")
+    if len(expr) > MAX_EXPR or not _ARITH.fullmatch(expr) or _GLUED.search(expr):
         return None
-    toks, pos = _ARITH_TOKEN.findall(expr.replace("×", "*").replace("÷", "/")) + [""], 0  # "" marks the end
-
-    def parse(level: int) -> Fraction:  # level 0: sums, 1: products, 2: sign, number or (expr)
-        nonlocal pos
-        if level == 2:
-            t, pos = toks[pos], pos + 1
-            if t in ("+", "-"):
-                return parse(2) if t == "+" else -parse(2)
-            if t == "(" and (v := parse(0)) is not None and toks[pos] == ")":
-                pos += 1
-                return v
-            if t.isascii() and t.isdigit():
-                return Fraction(int(t))
-            raise ValueError(f"unexpected {t!r}")
-        v = parse(level + 1)
-        while toks[pos] in ("+-", "*/")[level] and toks[pos]:
-            op, pos = toks[pos], pos + 1
-            w = parse(level + 1)
-            v = v + w if op == "+" else v - w if op == "-" else v * w if op == "*" else v / w  # /0 raises
-        return v
-
     try:
-        v = parse(0)
-    except (ValueError, ZeroDivisionError, RecursionError):
+        return (p := _Form(expr)).rational(p.expr(whole=True))  # the grammar of step 4 on integers and + - * / ( )
+    except (ValueError, ZeroDivisionError):
         return None
-    return v if pos == len(toks) - 1 else None
 
 
 def step_rewards(solution: str) -> list[tuple[int, bool]]:

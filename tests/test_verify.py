@@ -1,9 +1,12 @@
 """verify.py: tables of hand-written cases (extraction, equivalence, rewards, steps) and adversarial timing."""
+import math
+import random
 import time
 from fractions import Fraction
 
 import pytest
 
+import verify
 from verify import eval_arith, extract_answer, format_reward, is_equiv, reward, step_rewards
 
 # ---------------------------------------------------------------------------------------------------- extraction
@@ -44,6 +47,12 @@ EXTRACT = [
     ("Final answer: x = 4", "x = 4"),
     ("The answer is: 9", "9"),
     ("The answer is 1 and more.\nThe answer is 2.", "2"),
+    ("The answer is **42**.", "42"),  # markdown emphasis
+    ("**The answer is 42**", "42"),
+    ("The answer is 7, since 3 + 4 = 7.", "7"),  # a justification after a comma
+    ("The answer is 3.5, because half of 7 is 3.5.", "3.5"),
+    ("The answer is $x^2$, as shown.", "x^2"),
+    ("The answer is 1, 2, and 3.", "1, 2, and 3"),  # a list is not a justification
     # no explicit final answer
     ("", None),
     ("no answer here, maybe 5", None),
@@ -117,7 +126,8 @@ EQUIV_TRUE = [
     ("\\pm\\frac{1}{2}", "\\pm 1/2"), ("5 \\, \\text{m}", "5"), ("\\left\\{ 1,2 \\right\\}", "\\{2, 1\\}"),
     ("\\frac{3\\pi}{4}", "3\\pi/4"), ("\\frac{2\\sqrt{3}}{3}", "2\\sqrt3/3"), ("\\frac{x}{2}", "x/2"),
     ("\\$32,\\!348", "32348"), ("1,\\!000,\\!000", "1000000"), ("6\\frac{1}{4}", "25/4"), ("5\\text{.}", "5"),
-    ("10^{-3}", "0.001"), ("1\\frac{1}{2}", "1.5"), ("\\frac{-\\sqrt{3}}{2}", "-\\frac{\\sqrt3}{2}"), ("2π", "2\\pi"),
+    ("10^{-3}", "0.001"), ("\\sqrt{4}", "2"), ("1\\frac{1}{2}", "1.5"),
+    ("\\frac{-\\sqrt{3}}{2}", "-\\frac{\\sqrt3}{2}"), ("2π", "2\\pi"),
 ]
 
 EQUIV_FALSE = [
@@ -128,7 +138,7 @@ EQUIV_FALSE = [
     ("1/2", "2"), ("\\frac{1}{2}", "\\frac{2}{1}"), ("2\\frac{1}{2}", "21/2"), ("\\frac{1}{0}", "0"),  # fractions
     ("\\frac{1}{2x}", "\\frac{1}{2}x"), ("1/0", "0"), ("\\frac{1}{0}", "\\infty"),
     ("50\\%", "5"), ("5 cm", "6"), ("2ab", "2"), ("x = 5", "6"), ("x + y = 5", "5"),
-    ("\\sqrt{2}", "\\sqrt{3}"), ("\\sqrt{4}", "2"),  # non-numeric stays symbolic
+    ("\\sqrt{2}", "\\sqrt{3}"), ("\\sqrt{4}", "3"),  # radicals are exact: sqrt 4 = 2 (in EQUIV_TRUE), not 3
     ("(1,2)", "(2,1)"), ("(1,2)", "[1,2]"), ("(1,2]", "(1,2)"), ("(1,2)", "1,2"), ("(1,2,3)", "(1,2)"),
     ("(-\\infty, 3]", "(-\\infty, 3)"), ("\\{1,2\\}", "\\{1,3\\}"), ("1,2", "1,2,3"), ("1,1,2", "1,2,2"),
     ("1e3", "100"), ("10^{3}", "100"), ("1.5\\times10^{3}", "150"),  # scientific
@@ -158,6 +168,143 @@ def test_big_exact_numbers():
     assert not is_equiv("1" * 100, "1" * 99 + "2")
 
 
+# ---------------------------------------------------------------------------------------------------- normal form
+SYMBOLIC_TRUE = [
+    # polynomials: commutativity, distribution, small integer powers, implicit products, \cdot / \times / \div
+    ("(x+1)^2", "x^2+2x+1"), ("x\\cdot 2", "2x"), ("2(x+1)", "2x+2"), ("x^{2}", "x^2"), ("(x-1)(x+1)", "x^2-1"),
+    ("x^2 y", "y x^2"), ("\\left(x + y\\right)^{3}", "x^3+3x^2y+3xy^2+y^3"), ("a(b+c)", "ab+ac"), ("x \\times 3", "3x"),
+    ("6x \\div 2", "3x"), ("-(x-2)", "2-x"), ("x^0", "1"), ("2x - x", "x"), ("a_1 + a_2", "a_{2}+a_{1}"),
+    ("y = 2x+1", "1+2x"), ("\\frac{n(n+1)}{2}", "\\frac{n^2+n}{2}"), ("x^3", "x \\cdot x \\cdot x"),
+    # rational functions
+    ("\\frac{x+2}{7}", "\\frac{x}{7}+\\frac{2}{7}"), ("\\frac{x^2-1}{x-1}", "x+1"), ("\\frac{1}{x^2}", "x^{-2}"),
+    ("\\frac{x}{x+1}", "1-\\frac{1}{x+1}"), ("\\dfrac{2}{x}+\\dfrac{1}{y}", "\\frac{2y+x}{xy}"),
+    # radicals, reduced and rationalised
+    ("\\sqrt{8}", "2\\sqrt{2}"), ("\\sqrt{12}", "2\\sqrt3"), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt{2}}{2}"),
+    ("\\sqrt[3]{27}", "3"), ("\\sqrt[3]{-8}", "-2"), ("\\sqrt[4]{4}", "\\sqrt{2}"),
+    ("\\sqrt{\\frac{1}{2}}", "\\frac{\\sqrt2}2"),
+    ("\\sqrt{2}\\sqrt{3}", "\\sqrt{6}"), ("(1+\\sqrt{2})^2", "3+2\\sqrt{2}"), ("\\frac{1}{\\sqrt{2}+1}", "\\sqrt{2}-1"),
+    ("\\frac{1}{\\sqrt2+\\sqrt3}", "\\sqrt3-\\sqrt2"), ("8^{2/3}", "4"), ("2^{1/2}", "\\sqrt2"),
+    ("\\sqrt{3^2+4^2}", "5"),
+    ("\\frac{3}{\\sqrt{3}}", "\\sqrt{3}"), ("3\\sqrt{2}", "\\sqrt{18}"), ("\\sqrt{50}+\\sqrt{2}", "6\\sqrt2"),
+    ("\\frac{-1+\\sqrt{5}}{2}", "-\\frac{1}{2}+\\frac{\\sqrt{5}}{2}"), ("\\sqrt{0}", "0"),
+    # i, pi, e, degrees
+    ("4i+3", "3+4i"), ("i^2", "-1"), ("i^3", "-i"), ("\\frac{1}{i}", "-i"), ("(3+4i)(3-4i)", "25"),
+    ("\\sqrt{-4}", "2i"),
+    ("\\frac{1+i}{1-i}", "i"), ("2+2i", "2(1+i)"), ("\\frac{1}{2}\\pi", "\\frac{\\pi}{2}"), ("2\\pi r", "2r\\pi"),
+    ("\\pi r^2", "r^2\\pi"), ("e^2", "e \\cdot e"), ("\\frac{9\\pi}{4}", "2.25\\pi"), ("30^\\circ", "30"),
+    # integer functions, nested fractions, repeating decimals, mixed numbers
+    ("5!", "120"), ("0!", "1"), ("\\frac{10!}{8!}", "90"), ("\\frac{6!}{2!4!}", "15"), ("\\binom{5}{2}", "10"),
+    ("\\dbinom{10}{3}", "\\binom{10}{7}"),
+    ("\\log_2 8", "3"), ("\\log_{4} 8", "\\frac{3}{2}"), ("\\log_2 \\frac{1}{8}", "-3"), ("\\log_{10} 1", "0"),
+    ("\\frac{\\frac{1}{2}}{3}", "\\frac{1}{6}"), ("\\frac{1}{\\frac{1}{\\frac{1}{2}}}", "\\frac12"),
+    ("0.\\overline{3}", "\\frac13"), ("0.1\\overline{6}", "\\frac{1}{6}"), ("1.\\overline{09}", "\\frac{12}{11}"),
+    ("-2\\frac{1}{2}", "-\\frac{5}{2}"),
+    # plain numbers through the form: powers, products, scientific notation
+    ("2^{10}", "1024"), ("3 \\cdot 2^{5}", "96"), ("2.5 \\times 10^{-1}", "\\frac14"), ("10^{1000}", "1e1000"),
+    # inside tuples, intervals and sets: element-wise
+    ("(\\sqrt{8}, x^2)", "(2\\sqrt{2}, x\\cdot x)"), ("[\\frac{1}{\\sqrt3}, 2)", "[\\frac{\\sqrt{3}}{3}, 2)"),
+    ("\\{1+i, 1-i\\}", "\\{1-i, i+1\\}"),
+]
+
+SYMBOLIC_FALSE = [
+    # look-alikes a careless normaliser accepts
+    ("\\sqrt{8}", "4"), ("(x+1)^2", "x^2+1"), ("5!", "100"), ("\\log_2 8", "2"), ("2x", "x2"), ("x^2", "2x"),
+    ("\\frac{1}{2x}", "\\frac{1}{2}x"), ("(x+y)^3", "x^3+y^3"), ("\\frac{x}{x+1}", "\\frac{1}{x+1}"), ("3+4i", "3-4i"),
+    ("\\frac{\\pi}{2}", "\\frac{2}{\\pi}"), ("\\sqrt{2}+\\sqrt{3}", "\\sqrt{5}"), ("2^{10}", "10^2"),
+    ("\\sqrt[3]{8}", "\\sqrt{8}"),
+    ("8^{1/3}", "\\sqrt{8}"), ("i^2", "1"), ("\\frac{1}{3}", "0.\\overline{33}3"), ("0.\\overline{3}", "0.3"),
+    ("\\binom{5}{2}", "\\binom{5}{3}+1"), ("(5!)!", "120"), ("x_1", "x_2"), ("a", "b"), ("\\pi", "3.14159"),
+    ("30^\\circ", "\\frac{\\pi}{6}"), ("e", "2.718281828"), ("\\sqrt{2}", "1.414213562"),
+    # ambiguous or undecidable: no normal form, so never equal
+    ("yes", "sey"), ("abc", "cab"), ("g(f(x))", "f(g(x))"), ("f(x+1)", "f(x)+f(1)"), ("2^3^4", "2^{81}"),
+    ("2^3^4", "4096"), ("2^3!", "64"), ("5!!", "15"), ("x+2\\frac{1}{2}", "x+\\frac{5}{2}"), ("\\pi 6", "6\\pi"),
+    ("\\sqrt{x^2}", "x"), ("x^{1/2}", "\\sqrt{x}"), ("\\sqrt[4]{-4}", "1+i"), ("\\log 100", "2"), ("\\ln e", "1"),
+    ("\\frac{1}{\\sqrt{2}-\\sqrt{2}}", "0"), ("\\frac{0}{0}", "0"), ("0^{0}", "1"), ("\\frac{x}{0}", "\\frac{y}{0}"),
+    ("1 \\pm \\sqrt{2}", "\\pm\\sqrt{2}"), ("x \\cdots 2", "2xs"), ("1000!", "1000!+0"), ("\\binom{1000}{2}", "499500"),
+    ("\\sqrt{2 \\cdot 10^{12}}", "10^6\\sqrt{2}"), ("(x+1)^{32}", "(x+1)^{32}+0"),  # past MAX_FACT, _RADICAND, _WORK
+]
+
+
+@pytest.mark.parametrize("pred,gold", SYMBOLIC_TRUE)
+def test_normal_form_true(pred, gold):
+    assert is_equiv(pred, gold)
+    assert is_equiv(gold, pred)
+
+
+@pytest.mark.parametrize("pred,gold", SYMBOLIC_FALSE)
+def test_normal_form_false(pred, gold):
+    assert not is_equiv(pred, gold)
+    assert not is_equiv(gold, pred)
+
+
+def _poly_latex(coef: dict, rng: random.Random, style: int) -> str:
+    """{(i, j): c} (c x^i y^j) as LaTeX: style 0 canonical, 1 shuffled with braces and \\cdot, 2 repeated factors."""
+    terms = []
+    for (i, j), c in sorted(coef.items(), reverse=True):
+        names = [("x", i), ("y", j)] if style != 1 else rng.sample([("x", i), ("y", j)], 2)
+        mono = "".join("\\cdot ".join([v] * e) if style == 2 else v + (f"^{{{e}}}" if style else f"^{e}") if e > 1
+                       else v for v, e in names if e)
+        c_text = str(abs(c)) if abs(c) != 1 or not mono else ""
+        sep = "\\cdot " if style == 1 and c_text and mono else ""
+        terms.append(("-" if c < 0 else "+") + c_text + sep + mono)
+    if style:
+        rng.shuffle(terms)
+    return "".join(terms).lstrip("+") or "0"
+
+
+def test_random_polynomials_print_equal_and_perturbed_unequal():
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = {(rng.randint(0, 2), rng.randint(0, 1)): rng.randint(-4, 4) or 1 for _ in range(2)}, \
+            {(rng.randint(0, 1), rng.randint(0, 2)): rng.randint(-4, 4) or 1 for _ in range(2)}
+        prod = {}  # the expansion of a * b by a naive double loop: the independent expectation
+        for (i, j), c in a.items():
+            for (k, m), d in b.items():
+                prod[(i + k, j + m)] = prod.get((i + k, j + m), 0) + c * d
+        prod = {e: c for e, c in prod.items() if c}
+        factored = f"({_poly_latex(a, rng, 1)})({_poly_latex(b, rng, 0)})"
+        forms = [_poly_latex(prod, rng, s) for s in range(3)] + [factored]
+        for f in forms:
+            assert is_equiv(f, forms[0]), (f, forms[0])
+        e = rng.choice(sorted(prod)) if prod else (0, 0)
+        off = prod | {e: prod.get(e, 0) + rng.choice([-1, 1])}
+        assert not is_equiv(_poly_latex(off, rng, 1), factored), (off, factored)
+
+
+def test_random_radicals_and_complex_numbers():
+    rng = random.Random(1)
+    for _ in range(200):
+        k, m, n = rng.randint(1, 12), rng.choice([2, 3, 5, 6, 7, 10, 11]), rng.randint(1, 9)
+        assert is_equiv(f"\\sqrt{{{k * k * m}}}", f"{k}\\sqrt{{{m}}}")
+        assert not is_equiv(f"\\sqrt{{{k * k * m}}}", f"{k + 1}\\sqrt{{{m}}}")
+        assert is_equiv(f"\\frac{{{n}}}{{\\sqrt{{{m}}}}}", f"\\frac{{{n}\\sqrt{{{m}}}}}{{{m}}}")
+        assert not is_equiv(f"\\frac{{{n}}}{{\\sqrt{{{m}}}}}", f"\\frac{{{n}\\sqrt{{{m}}}}}{{{m + 1}}}")
+        a, b, c, d = (rng.randint(-6, 6) for _ in range(4))
+        re_, im = a * c - b * d, a * d + b * c  # (a + bi)(c + di), by hand
+        assert is_equiv(f"({a}+{b}i)({c}+{d}i)".replace("+-", "-"), f"{im}i+{re_}".replace("+-", "-"))
+        assert not is_equiv(f"({a}+{b}i)({c}+{d}i)".replace("+-", "-"), f"{im}i+{re_ + 1}".replace("+-", "-"))
+
+
+def test_bounds_reject_before_computing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(verify, "factorial", lambda n: calls.append(n) or math.factorial(n))
+    assert not is_equiv("1000!", "1000!+0") and not is_equiv("10^{100000}", "10^{100000}+0")
+    assert calls == []  # 1000! was never computed: past MAX_FACT
+    assert is_equiv("500!", "500!+0") and calls == [500, 500]
+    products = []
+    real_mul = verify._Form.mul
+    monkeypatch.setattr(verify._Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
+    assert not is_equiv("(1+i)^{5000}", "(1+i)^{5000}+0")  # 2 terms, degree 0, 2500 bits: only MAX_WORK stops it
+    assert sum(products) <= 3 * (verify.MAX_WORK + verify.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
+    products.clear()
+    monkeypatch.setattr(verify, "MAX_WORK", 4)  # a tiny budget: enough to compare x+1 with 1+x, not for (x+1)^2
+    assert is_equiv("x+1", "1+x") and not is_equiv("(x+1)^2", "x^2+2x+1")
+    monkeypatch.setattr(verify, "MAX_BITS", 64)
+    assert is_equiv("2^{31}", "2147483648") and not is_equiv("2^{64}", "18446744073709551616")  # 2 bits * 64 > 64
+    monkeypatch.setattr(verify, "MAX_RADICAND", 100)
+    assert is_equiv("\\sqrt{98}", "7\\sqrt{2}") and not is_equiv("\\sqrt{102}", "\\sqrt{102}+0")
+
+
 # ---------------------------------------------------------------------------------------------------- rewards
 REWARD = [
     ("<think>2+3</think><answer>5</answer>", "5", 1.0),
@@ -170,6 +317,11 @@ REWARD = [
     ("", "5", 0.0),
     ("\\boxed{5", "5", 0.0),
     ("8-18=-10;-10+13=3 #### 3", "3", 1.0),
+    ("The answer is 7, since 3 + 4 = 7.", "7", 1.0),
+    ("The answer is **42**.", "42", 1.0),
+    ("so 3 + 4 = 7 and the rest is 7", "7", 0.0),  # still no last-number fallback
+    ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+    ("The answer is $\\frac{1}{\\sqrt{2}}$.", "\\frac{\\sqrt2}{2}", 1.0),
 ]
 
 
@@ -240,6 +392,7 @@ ARITH = [
     ("1+2*3", 7), ("(1+2)*3", 9), ("7/2*2", 7), ("7/2", Fraction(7, 2)), ("-10+13", 3), ("2*-3", -6),
     ("8-18-3", -13), ("2*(3+4)-5/5", 13), ("--5", 5), ("12 - 2 * 3", 6), ("1/0", None), ("(1", None), ("1)", None),
     ("", None), ("1+", None), ("1 2", None), ("2**3", None), ("x", None), ("1.5", None), ("1+" * 150 + "1", None),
+    ("(1)(2)", None), ("2(3)", None), ("2 (3)", None), ("2^3", None), ("3!", None),  # no implicit products, no powers
 ]
 
 

@@ -17,12 +17,21 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
   python bench.py --size 2m                 python bench.py --size 20m --repeats 2
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
 
+--logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
+backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
+rollout.score (logits at every position, a float32 copy, a [n, L, V] gather, a separate entropy pass) against
+`chunked`, rollout.score (LM head at completion tokens only, chunks recomputed in backward):
+  python bench.py --logprobs --threads 1            (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
+
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers,
 long and adversarial texts), one thread, and, if math-verify is importable (not a dependency), its calls/s and its
 agreement with ours on the same mix:  python bench.py --verify
 """
 import argparse
 import json
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -30,9 +39,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+import grpo
 import verify
 from model import ModelConfig, Transformer
-from rollout import generate
+from rollout import filter_logits, generate, pad_batch, score
 
 
 # ------------------------------------------------------------------------------- verify.reward calls/s
@@ -86,6 +96,41 @@ def bench_verify(rounds: int = 20):
                       "answer_agreement": same, "n": len(pairs)}))
 
 
+# --------------------------------------------------------------------- log-probs at a real vocabulary
+def full_logits_logprobs(model, prompts, comps, T):
+    """The trainer's log-probs before rollout.score: logits at every position, gathered to [n, L, V], then a
+    chunked log-softmax and a separate entropy pass."""
+    n, L = comps.shape
+    seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())])
+    logits = model(seqs[:, :-1]).float()                                                       # [n, T-1, V]
+    pos = torch.tensor([len(p) for p in prompts])[:, None] - 1 + torch.arange(L)
+    logits = filter_logits(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])), T)
+    with torch.no_grad():
+        ent = grpo.token_entropy(logits)
+    return grpo.token_logprobs(logits, comps), ent
+
+
+def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, repeats=2):
+    """One method in this process: seconds per forward + backward (best of repeats) and this process's peak RSS."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=vocab, hidden_size=64,
+                                    n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=256, max_seq_len=512))
+    prompts = torch.randint(3, vocab, (rows, prompt_len)).tolist()
+    comps = torch.randint(3, vocab, (rows, new))
+    fn = partial(full_logits_logprobs, model, prompts, comps, 1.0) if method == "full" else \
+        partial(score, model, prompts, comps, 1.0)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        logp, ent = fn()
+        (-logp.mean()).backward()
+        best = min(best, time.perf_counter() - t0)
+    grad = sum(p.grad.double().square().sum() for p in model.parameters()) ** 0.5
+    print(json.dumps({"method": method, "s": best, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                      / 2 ** 20, "logp_sum": logp.sum().item(), "entropy_mean": ent.mean().item(),
+                      "grad_norm": grad.item(), "params": sum(p.numel() for p in model.parameters())}))
+
+
 PRESETS = {
     "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
     "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
@@ -102,7 +147,29 @@ p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
 p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
+p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
+p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
+p.add_argument("--vocab", type=int, default=151936)
 args = p.parse_args()
+if args.logprobs:
+    torch.set_num_threads(args.threads)
+    if args.method:
+        bench_logprobs(args.method, args.vocab)
+        raise SystemExit
+    res = {}
+    for method in ("full", "chunked", "full", "chunked"):  # alternating, best of two fresh processes each
+        out = subprocess.run([sys.executable, __file__, "--logprobs", f"--method={method}", f"--vocab={args.vocab}",
+                              f"--threads={args.threads}"], capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        res[method] = min(res.get(method, r), r, key=lambda x: x["s"])
+    f, c = res["full"], res["chunked"]
+    print(f"{f['params'] / 1e6:.1f}M params, V = {args.vocab:,}, 32 rows x (136 + 64) tokens, {args.threads} threads")
+    for r in (f, c):
+        print(f"{r['method']:>8}: {r['s']:6.2f} s forward + backward, peak RSS {r['peak_rss_gb']:5.2f} GB")
+    print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; "
+          f"|Δ sum log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad norm| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
+    print(json.dumps(res))
+    raise SystemExit
 if args.verify:
     torch.set_num_threads(1)
     bench_verify()

@@ -118,8 +118,7 @@ def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
 
 def _chunk_log_softmax(h, w, temperature, top_k, top_p):
     """h [c, C] hidden states, w [V, C] the LM head -> log softmax of the sampling distribution [c, V] float32."""
-    z = filter_logits(F.linear(h, w), temperature, top_k, top_p)  # the kept set is a constant: no grad through it
-    return z - z.logsumexp(-1, keepdim=True)
+    return filter_logits(F.linear(h, w), temperature, top_k, top_p).log_softmax(-1)  # the kept set: a constant
 
 
 class HeadLogProbs(torch.autograd.Function):
@@ -133,7 +132,7 @@ class HeadLogProbs(torch.autograd.Function):
         for i in range(0, len(h), chunk):
             lz = _chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)                # [c, V]
             logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
-            ent[i:i + chunk] = -(lz.exp() * lz.nan_to_num(neginf=0.0)).sum(-1)  # a filtered token adds 0
+            ent[i:i + chunk] = -(lz.exp() * lz).nansum(-1)  # a filtered token's 0 · −inf adds nothing
         ctx.save_for_backward(h, w, targets)
         ctx.settings = temperature, top_k, top_p, chunk
         ctx.mark_non_differentiable(ent)
@@ -160,7 +159,7 @@ def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: flo
     after their prompts -> (log π(o_t | q, o_<t) [n, L] float32, differentiable, 0 past a row's length; the entropy
     of π there [n, L], no grad, for logging), with π the distribution generate samples from at the same settings.
     One causal forward over prompt + completion (right-padded rows need no mask); the LM head runs only at the
-    completion tokens, in chunks of ~2^25 logits (HeadLogProbs), so memory never holds [n, L, V] logits."""
+    completion tokens, in chunks of ~2^23 logits (HeadLogProbs), so memory never holds [n, L, V] logits."""
     dev = model.model.embed_tokens.weight.device
     n, L = comps.shape
     lens = torch.tensor(lengths if lengths is not None else [L] * n, device=dev)
@@ -169,7 +168,7 @@ def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: flo
     seqs, targets = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev), comps.to(dev)[valid]
 
     def head(h, w):  # h [n, T-1, C]: keep the M completion positions, then the LM head chunk by chunk
-        chunk = max(1, 2 ** 25 // w.shape[0])
+        chunk = max(1, 2 ** 23 // w.shape[0])  # 32 MB float32 blocks: measured faster than 8 or 128 on CPU
         return HeadLogProbs.apply(h[torch.arange(n, device=dev)[:, None], pos][valid], w, targets, temperature,
                                   top_k, top_p, chunk)
     logp, ent = model(seqs[:, :-1], head=head)                                               # [M], [M]

@@ -15,7 +15,9 @@ Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its 
   python train.py --config configs/smoke.toml --rl_steps=8
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml
 """
+import bisect
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -84,8 +86,18 @@ class Config:
     temperature: float = 1.0            # sampling and scoring temperature (the trainer scores logits / T)
     top_k: int = 0
     top_p: float = 1.0
-    # --- RL objective: each GRPO / DAPO / Dr. GRPO difference is one flag
-    adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3: no std division)
+    # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
+    reward: str = "outcome"             # outcome (the verifier's score) | process (DeepSeekMath §4.1.3, arithmetic)
+    adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
+                                        # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
+    ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
+    pg_loss: str = "clip"               # clip (PPO surrogate), cispo (MiniMax-M1 2025 §3.1: clipped sg weight)
+    dual_clip: float = 0.0              # c > 1: bound the loss of Â < 0 at c·Â (dual-clip, Ye et al. 2020); 0: off
+    kl_estimator: str = "k3"            # k1 | k2 | k3 (Schulman 2020); DeepSeekMath eq. 4 uses k3
+    tis: str = "none"                   # truncated IS of sampler vs trainer log-probs (Yao et al. 2025): none |
+    tis_mode: str = "truncate"          #   token | sequence; truncate w at tis_cap, or mask w outside [1/C, C]
+    tis_cap: float = 2.0                #   C
+    top_entropy_q: float = 1.0          # gradient only on the top-q entropy tokens (Wang et al. 2025); 1: all
     agg: str = "token_mean"             # seq_mean_token_mean (GRPO), token_mean (DAPO §3.3),
                                         # seq_mean_token_sum_norm (Dr. GRPO §3)
     eps_low: float = 0.2                # PPO clip ε (DeepSeekMath eq. 3)
@@ -120,8 +132,10 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
-        "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
-        "wandb_mode": ("auto", "online", "offline", "disabled")}
+        "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
+        "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
+        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES}
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -132,15 +146,24 @@ def parse_args(argv: list[str], cls=Config):
 def objective(cfg: Config) -> str:
     """The loss being optimised, assembled from the config, so a log says exactly which paper it is."""
     adv = {"group": "(r_i − mean_G r) / (std_G r + ε)", "batch": "(r_i − mean_G r) / std_batch r",
-           "none": "r_i − mean_G r"}[cfg.adv_scale]
+           "none": "r_i − mean_G r", "rloo": "r_i − mean_{j≠i} r_j",
+           "reinforce_pp": "whiten_tokens(r_i − mean_G r)"}[cfg.adv_scale]
     agg = {"seq_mean_token_mean": "1/G Σ_i 1/|o_i| Σ_t", "token_mean": "1/Σ|o_i| Σ_i Σ_t",
            "seq_mean_token_sum_norm": f"1/(G·{cfg.max_new_tokens}) Σ_i Σ_t"}[cfg.agg]
-    kl = f" − {cfg.beta}·D_KL^k3(π_θ‖π_ref)" if cfg.beta > 0 else ""
-    name = ("Dr. GRPO" if cfg.adv_scale == "none" and cfg.agg == "seq_mean_token_sum_norm" else
+    rho = "s_i" if cfg.ratio_level == "sequence" else "ρ_t"
+    term = (f"sg(clip({rho}, 1−{cfg.eps_low}, 1+{cfg.eps_high})) Â log π_θ" if cfg.pg_loss == "cispo" else
+            f"min({rho} Â, clip({rho}, 1−{cfg.eps_low}, 1+{cfg.eps_high}) Â)")
+    term = f"max({term}, {cfg.dual_clip}·Â)_(Â<0)" if cfg.dual_clip else term
+    term = f"w^TIS_{cfg.tis} · {term}" if cfg.tis != "none" else term
+    term = f"1[H_t ≥ top {cfg.top_entropy_q:g}] · {term}" if cfg.top_entropy_q < 1 else term
+    kl = f" − {cfg.beta}·D_KL^{cfg.kl_estimator}(π_θ‖π_ref)" if cfg.beta > 0 else ""
+    name = ("GSPO" if cfg.ratio_level == "sequence" else "CISPO" if cfg.pg_loss == "cispo" else
+            "RLOO" if cfg.adv_scale == "rloo" else "REINFORCE++" if cfg.adv_scale == "reinforce_pp" else
+            "Dr. GRPO" if cfg.adv_scale == "none" and cfg.agg == "seq_mean_token_sum_norm" else
             "DAPO" if cfg.agg == "token_mean" and cfg.eps_high > cfg.eps_low else
             "GRPO (DeepSeekMath)" if cfg.agg == "seq_mean_token_mean" else "custom")
-    return (f"{name}: J = E[{agg} min(ρ_t Â_i, clip(ρ_t, 1−{cfg.eps_low}, 1+{cfg.eps_high}) Â_i){kl}],"
-            f"  Â_i = {adv}" + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else ""))
+    return (f"{name}: J = E[{agg} {term}{kl}],  Â_i = {adv}" + (" per step (process)" if cfg.reward == "process"
+            else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else ""))
 
 
 @dataclass
@@ -364,6 +387,28 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
 
 
 # ==================================================================================================== RL
+def advantages(run: Run, groups: list[Group]) -> torch.Tensor:
+    """Â [N] of the global batch (grpo.group_advantages; REINFORCE++ whitens over its loss tokens), or with
+    reward = "process" Â [N, L] (DeepSeekMath §4.1.3, grpo.process_advantages): each arithmetic step's reward
+    (1 right, 0 wrong: verify.step_rewards) at the step's last token, the shaped outcome reward at the last."""
+    cfg = run.cfg
+    rewards = torch.tensor([r for g in groups for r in g.rewards])
+    if cfg.reward == "outcome":
+        lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
+                                for c, cut in zip(g.comps, g.truncated)])
+        return grpo.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
+    steps = []
+    for g in groups:
+        for comp, text, r in zip(g.comps, g.texts, g.rewards):
+            ends = list(itertools.accumulate(len(run.task.text([t])) for t in comp))  # each token's end character
+            steps.append([(float(ok), bisect.bisect_right(ends, e - 1)) for e, ok in verify.step_rewards(text)]
+                         + [(r, len(comp) - 1)])
+    rew, end = (pad_batch([[s[j] for s in row] for row in steps], 0, dtype) for j, dtype in ((0, torch.float32),
+                                                                                               (1, torch.long)))
+    valid = pad_batch([[True] * len(row) for row in steps], False, torch.bool)
+    return grpo.process_advantages(rew, end, valid, cfg.group_size, max(len(c) for g in groups for c in g.comps))
+
+
 def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     cfg, proc, G, dev = run.cfg, run.proc, run.cfg.group_size, run.proc.device
     t0 = time.time()
@@ -374,41 +419,56 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
         sched.step()
         return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
     # 3. advantages over the global batch; this rank trains on whole groups rank, rank + world, ...
-    adv = grpo.group_advantages(torch.tensor([r for g in groups for r in g.rewards]), G, scale=cfg.adv_scale)
+    adv = advantages(run, groups)                                                               # [N] or [N, L]
     mine = [(k, i) for k in range(proc.rank, len(groups), proc.world) for i in range(G)]
     prompts, comps = [groups[k].prompt for k, _ in mine], [groups[k].comps[i] for k, i in mine]
-    adv = torch.cat((adv[[k * G + i for k, i in mine]], torch.zeros(1))).to(dev)                # [n + 1]
+    adv = torch.cat((adv[[k * G + i for k, i in mine]], adv.new_zeros(1, *adv.shape[1:]))).to(dev)  # [n + 1, ...]
     mask = pad_batch([[not (cfg.mask_truncated and groups[k].truncated[i])] * len(groups[k].comps[i])
                       for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
     sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine] + [[0.0]], 0.0, torch.float32).to(dev)
     norm = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))   # the global normaliser
-    plan, old, sums, gap = rank_micro_batches(run, prompts, comps), {}, {}, torch.zeros((), device=dev)
+    plan, old, keep, sums, maxes = rank_micro_batches(run, prompts, comps), {}, {}, {}, {}
     prompts, comps = prompts + [[0]], comps + [[0]]  # the pad row of padding passes: mask, advantage 0
+    if cfg.top_entropy_q < 1:  # Wang et al. 2025: τ = the top-q entropy of π_old over the global batch's tokens
+        ents = []
+        with torch.no_grad():
+            for rows in plan:
+                ent = scores(run, run.model, prompts, comps, rows, cfg.temperature)[1]
+                ents.append(ent[mask[rows, :ent.shape[1]]].cpu())
+        tau = grpo.entropy_threshold(torch.cat(infra.all_gather_list(ents)), cfg.top_entropy_q).to(dev)
     # 4. μ optimizer steps on this batch, each over all micro-batches
     for epoch in range(cfg.ppo_epochs):
         for b, rows in enumerate(plan):
             logp, ent = scores(run, run.model, prompts, comps, rows, cfg.temperature)                # [n, L]
             r, Lm = torch.tensor(rows, device=dev), logp.shape[1]
-            m, ref = mask[r, :Lm], None
+            m, ref, weight, tis = mask[r, :Lm], None, None, {}
             if cfg.beta > 0:
                 with torch.no_grad():
                     ref = scores(run, run.ref, prompts, comps, rows, cfg.temperature)[0]
             old[b] = logp.detach() if epoch == 0 else old[b]  # π_old: π_θ before this step's first update
-            loss, met = grpo.policy_loss(logp, old[b], adv[r], m, cfg.eps_low, cfg.eps_high, ref, cfg.beta, cfg.agg,
-                                         cfg.max_new_tokens, loss_scale=norm)
+            if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to the trainer's π_old
+                weight, tis = grpo.tis_weights(old[b], sampler[r, :Lm], m, cfg.tis, cfg.tis_mode, cfg.tis_cap)
+            if cfg.top_entropy_q < 1:
+                keep[b] = grpo.top_entropy_mask(ent, m, tau) if epoch == 0 else keep[b]
+                weight = keep[b].float() if weight is None else weight * keep[b]
+            loss, met = grpo.policy_loss(logp, old[b], adv[r, :Lm] if adv.dim() == 2 else adv[r], m, cfg.eps_low,
+                                         cfg.eps_high, ref, cfg.beta, cfg.agg, cfg.max_new_tokens, norm,
+                                         cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight)
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
-                gap = torch.maximum(gap, ((logp.detach() - sampler[r, :Lm]).abs() * m).amax())
+                gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()
+                for k, v in {"train/logprob_gap_max": gap, **({"train/tis_max": tis.pop("tis_max")} if tis else {})}.items():
+                    maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
-                                   **{f"train/{k}": v * tok for k, v in met.items()}})
+                                   **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()}})
         gnorm = optimizer_step(run, opt)
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
-    out = reduced(sums)
+    out, top = reduced(sums), dict(zip(maxes, infra.all_max(torch.stack(list(maxes.values())))))
     n = out.pop("n").clamp(min=1)
     tokens = infra.all_sum(float(sum(map(len, comps[:-1]))))
-    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, "train/grad_norm": gnorm,
-            "train/logprob_gap_max": infra.all_max(gap), "train/lr": sched.get_last_lr()[0],
+    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, **top,
+            "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0],
             "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
             "time/rollout_s": t1 - t0, "time/train_s": time.time() - t1, "time/sample_tok_per_s": tokens / (t1 - t0)}
 

@@ -49,6 +49,13 @@ def test_config_errors_name_the_key_and_suggest(tmp_path):
 
 
 def test_objective_names_the_paper():
+    for preset, name in [("gspo", "GSPO"), ("cispo", "CISPO"), ("rloo", "RLOO"), ("grpo", "GRPO"), ("dapo", "DAPO"),
+                         ("dr_grpo", "Dr. GRPO")]:
+        assert train.objective(train.parse_args(["--config", os.path.join(ROOT, "configs", f"{preset}.toml")])
+                               ).startswith(name + ":" if name != "GRPO" else "GRPO (DeepSeekMath)"), preset
+    assert train.objective(train.Config(adv_scale="reinforce_pp")).startswith("REINFORCE++")
+    assert "w^TIS_sequence" in train.objective(train.Config(tis="sequence"))
+    assert "top 0.2" in train.objective(train.Config(top_entropy_q=0.2))
     assert train.objective(train.Config()).startswith("DAPO")
     assert train.objective(train.Config(agg="seq_mean_token_mean", eps_high=0.2, beta=0.04)).startswith("GRPO")
     assert train.objective(train.Config(adv_scale="none", agg="seq_mean_token_sum_norm")).startswith("Dr. GRPO")
@@ -129,11 +136,18 @@ def run_cli(args, nproc=1, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg,P", [("token_mean", 4), ("seq_mean_token_mean", 3), ("seq_mean_token_sum_norm", 1)])
-def test_two_ranks_match_one_rank(tmp_path, agg, P):
+@pytest.mark.parametrize("agg,P,extra", [
+    ("token_mean", 4, []), ("seq_mean_token_mean", 3, []), ("seq_mean_token_sum_norm", 1, []),
+    ("token_mean", 3, ["--adv_scale=reinforce_pp", "--tis=sequence", "--top_entropy_q=0.5", "--dual_clip=3",
+                       "--kl_estimator=k2"]),  # whitening over the global batch's tokens, τ over its entropies
+    ("seq_mean_token_mean", 3, ["--ratio_level=sequence", "--pg_loss=clip", "--adv_scale=rloo", "--tis=token",
+                                "--tis_mode=mask", "--reward=process"]),
+    ("token_mean", 1, ["--pg_loss=cispo", "--eps_low=1.0", "--kl_estimator=k1"])])
+def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
     """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights. With P = 3
     the ranks hold 2 and 1 groups, with P = 1 rank 1 holds none and runs padding passes only."""
-    args = ["--config", SMOKE, f"--agg={agg}", f"--prompts_per_step={P}", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
+    args = extra + ["--config", SMOKE, f"--agg={agg}", f"--prompts_per_step={P}", "--sft_steps=2", "--rl_steps=2",
+                    "--eval_every=100",
             "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
             "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
     run_cli(args + [f"--out_dir={tmp_path / 'one'}"])
@@ -284,3 +298,23 @@ def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     last = max(r["step"] for r in recs)
     assert last < 6 + 10000 and recs[-1]["step"] == last and "eval/pass@1" in recs[-1]
     assert "rl" in results and infra.complete_checkpoints(out)[-1] == last
+
+
+def test_process_reward_puts_each_step_reward_at_its_last_token():
+    """reward = "process": per-step rewards (verify.step_rewards) at each step's last token, the outcome reward at
+    the completion's last, normalised over the group's steps and summed over later steps (DeepSeekMath §4.1.3)."""
+    cfg = train.parse_args(["--config", SMOKE, "--reward=process", "--group_size=2"])
+    tok = train.build_char_tokenizer(tasks.CHARS)
+    run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None, tasks.Task(cfg, tok, [2]))
+    texts = ["1+2=3;3+4=8 #### 8", "1+2=4 #### 4"]  # step 1 right then wrong; one wrong step
+    comps = [tok.encode(x, add_special_tokens=False).ids + [2] for x in texts]
+    g = train.Group(0, 0, None, [1], comps, texts, [], [False, False], [0.0, 0.0], rewards=[0.0, 0.0])
+    adv = train.advantages(run, [g])
+    # steps: row 0 ends at chars 5 ("1+2=3") and 11 ("3+4=8"), rewards 1, 0, outcome 0 at token 18; row 1: 0 at 5,
+    # outcome 0 at token 12. Over the group's 5 step rewards [1, 0, 0, 0, 0]: mean 0.2, std 0.4472
+    norm = [(x - 0.2) / (0.4472136 + 1e-4) for x in (1, 0, 0, 0, 0)]
+    want0 = [norm[0] + norm[1] + norm[2]] * 5 + [norm[1] + norm[2]] * 6 + [norm[2]] * 8
+    want1 = [norm[3] + norm[4]] * 5 + [norm[4]] * 8
+    assert adv.shape == (2, 19)
+    assert torch.allclose(adv[0], torch.tensor(want0), atol=1e-5)
+    assert torch.allclose(adv[1, :13], torch.tensor(want1), atol=1e-5)

@@ -150,7 +150,7 @@ def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
                     "--eval_every=100",
             "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
             "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
-    run_cli(args + [f"--out_dir={tmp_path / 'one'}"])
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))  # 1 rank in this process: no start-up
     run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert len(one) == len(two) and all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)

@@ -59,7 +59,8 @@ class Config:
     task: str = "arithmetic"            # arithmetic | countdown | gsm8k | math
     train_file: str = ""                # JSONL for gsm8k / math
     eval_file: str = ""
-    template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed
+    template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed; chat: the checkpoint's chat template
+    system_prompt: str = ""             # template chat: a system message before each question (e.g. R1's instruction)
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
     sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 4
@@ -115,13 +116,15 @@ class Config:
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
     eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
+    eval_batch: int = 64                # held-out problems per sampling call, all ranks (bounds the KV cache)
     ckpt_every: int = 100
     keep_ckpts: int = 2                 # newest checkpoints kept (0: all)
+    save_dtype: str = ""                # step_N/ weights: "" the source folder's dtype (float32 for a fresh model)
 
     CHOICES: ClassVar[dict] = {
-        "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
+        "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
         "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
-        "wandb_mode": ("auto", "online", "offline", "disabled")}
+        "wandb_mode": ("auto", "online", "offline", "disabled"), "save_dtype": ("", "float32", "bfloat16", "float16")}
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -178,7 +181,8 @@ class Group:
 
 
 def build_run(cfg: Config) -> Run:
-    """Join the processes, build or load the policy (sharded) and its tokenizer, and the task."""
+    """Join the processes, build or load the policy (sharded; float32, its folder's dtype and files kept for step_N/)
+    and its tokenizer, and the task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
     proc = infra.setup(cfg.device, cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
@@ -188,8 +192,11 @@ def build_run(cfg: Config) -> Run:
         model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
-    stop_ids = [i for i in (tok.token_to_id(t) for t in STOP_NAMES) if i is not None]
-    return Run(cfg, proc, infra.shard(model.to(proc.device), proc), tasks.Task(cfg, tok, stop_ids))
+    info = tasks.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
+    eos = [tok.token_to_id(info["special_tokens"].get("eos_token", "")), *info["eos_ids"]] if info else []
+    eos = [i for i in eos if i is not None] or [tok.token_to_id(t) for t in STOP_NAMES]  # names: for our char folders
+    stop_ids = [i for i in dict.fromkeys(eos) if i is not None]
+    return Run(cfg, proc, infra.shard(model.to(proc.device), proc), tasks.Task(cfg, tok, stop_ids, info))
 
 
 def make_optimizer(run: Run, lr: float, total: int):

@@ -245,3 +245,22 @@ def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     last = max(r["step"] for r in recs)
     assert last < 6 + 10000 and recs[-1]["step"] == last and "eval/pass@1" in recs[-1]
     assert "rl" in results and infra.complete_checkpoints(out)[-1] == last
+
+
+def test_stop_ids_come_from_the_checkpoint(hf_folder, gsm8k_file, tmp_path):
+    def stops(folder, **kw):
+        cfg = train.Config(init_from=folder, task="gsm8k", train_file=gsm8k_file, eval_file=gsm8k_file, **kw)
+        tok = train.load_tokenizer(folder)
+        return [tok.id_to_token(i) for i in train.build_run(cfg).task.stop_ids]
+    # the tokenizer's eos, then generation_config.json's eos_token_id (a list, or an int), no repeats
+    assert stops(hf_folder("qwen")) == ["<|im_end|>", "<|endoftext|>"]
+    assert stops(hf_folder("llama")) == ["<|eot_id|>", "<|end_of_text|>"]
+    assert stops(hf_folder("qwen", base=True)) == ["<|endoftext|>"]
+    assert stops(hf_folder("qwen", base=True), template="chat") == ["<|endoftext|>", "<|im_end|>"]  # + end of turn
+    m = Transformer(train.ModelConfig(vocab_size=24, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1))
+    m.save_pretrained(tmp_path / "char", tokenizer=train.build_char_tokenizer(tasks.CHARS))
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # our own folder names its eos too
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        os.remove(tmp_path / "char" / name)
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # an older char folder: rollout.STOP_NAMES
+

@@ -216,14 +216,14 @@ def make_optimizer(run: Run, lr: float, total: int):
 
 # ============================================================================================ 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float, seed_keys,
-                  max_new_tokens: int) -> list[Group]:
+                  max_new_tokens: int, first: int = 0) -> list[Group]:
     """G completions of each problem, scored by the verifier, every group on every rank in the order of `problems`.
-    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, problem position, sample index), so
-    any rank count samples the same tokens."""
+    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, first + problem position, sample index),
+    so any rank count (and any chunking of a list, with `first` its offset) samples the same tokens."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
-    seeds = torch.tensor([seed_of(*seed_keys, j, g) for j in mine for g in range(G)])
+    seeds = torch.tensor([seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
     with infra.unsharded(run.model):  # every rank gathers the weights, even one with no prompts
         ro = mine and generate(run.model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                                top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
@@ -412,26 +412,40 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
 
 
 # ============================================================================================== evaluation
-def evaluate(run: Run, step: int, logger: infra.Logger | None = None) -> dict:
-    """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length and answer rate, per level too."""
-    cfg, probs = run.cfg, list(enumerate(run.task.heldout))
-    greedy = sample_groups(run, probs, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens)
-    sampled = sample_groups(run, probs, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1), cfg.max_new_tokens)
-    rec, by_level = {}, {}
-    for g, s in zip(greedy, sampled):
-        answers = [verify.extract_answer(t) for t in s.texts]
-        votes = Counter(a for a in answers if a is not None).most_common(1)
-        row = {"pass@1": g.scores[0], "pass@1_sampled": sum(s.scores) / cfg.eval_k,
-               f"maj@{cfg.eval_k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
-               "completion_len": sum(map(len, s.comps)) / cfg.eval_k,
-               "answer_rate": sum(a is not None for a in answers) / cfg.eval_k}
-        for key in (None, g.problem.level):
-            by_level.setdefault(key, Counter()).update({**row, "n": 1})
+def evaluate(run: Run, step: int, logger: infra.Logger | None = None, samples: list | None = None) -> dict:
+    """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length, answer and truncation rates, per level
+    too, in chunks of eval_batch problems (a progress line after each of a long eval). A `samples` list receives one
+    record per completion: the prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
+    cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
+    rec, by_level, shown = {}, {}, []
+    for c0 in range(0, len(probs), cfg.eval_batch):
+        chunk = probs[c0:c0 + cfg.eval_batch]
+        greedy = sample_groups(run, chunk, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens, c0)
+        sampled = sample_groups(run, chunk, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1), cfg.max_new_tokens, c0)
+        for g, s in zip(greedy, sampled):
+            answers = [verify.extract_answer(t) for t in s.texts]
+            votes = Counter(a for a in answers if a is not None).most_common(1)
+            row = {"pass@1": g.scores[0], "pass@1_sampled": sum(s.scores) / cfg.eval_k,
+                   f"maj@{cfg.eval_k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
+                   "completion_len": sum(map(len, s.comps)) / cfg.eval_k,
+                   "answer_rate": sum(a is not None for a in answers) / cfg.eval_k,
+                   "truncated_frac": sum(s.truncated) / cfg.eval_k}
+            for key in (None, g.problem.level):
+                by_level.setdefault(key, Counter()).update({**row, "n": 1})
+            if samples is not None:  # one record per completion, the greedy one first
+                samples += [{"problem": c0 + x.pos, "kind": kind, "prompt": run.task.prompt_text(x.problem),
+                             "completion": t, "answer": verify.extract_answer(t), "gold": x.problem.gold,
+                             "correct": sc >= 1, "truncated": cut} for kind, x in (("greedy", g), ("sampled", s))
+                            for t, sc, cut in zip(x.texts, x.scores, x.truncated)]
+        shown += greedy
+        if run.proc.rank == 0 and len(probs) > cfg.eval_batch:  # a long eval shows its progress
+            n, dt = min(len(probs), c0 + cfg.eval_batch), time.time() - t0
+            print(f"  eval {n}/{len(probs)} | {dt:.0f} s | eta {dt / n * (len(probs) - n) / 60:.1f} min", flush=True)
     for level, acc in by_level.items():  # everything over all problems, pass@1 per level
         keys = [k for k in acc if k != "n"] if level is None else ["pass@1", "pass@1_sampled"]
         rec.update({f"eval/{k}" + ("" if level is None else f"_L{level}"): acc[k] / acc["n"] for k in keys})
     if logger:
-        logger.samples(step, [(g.problem.prompt, g.texts[0], g.problem.gold, g.scores[0]) for g in greedy])
+        logger.samples(step, [(g.problem.prompt, g.texts[0], g.problem.gold, g.scores[0]) for g in shown])
     return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec}
 
 
@@ -439,7 +453,8 @@ def evaluate(run: Run, step: int, logger: infra.Logger | None = None) -> dict:
 def save(run: Run, state: TrainState, step: int, stage: str, opt, sched):
     infra.save_checkpoint(run.proc, run.cfg.out_dir, step, run.model, run.task.tok, opt, {
         "scheduler": sched.state_dict(), "step": step, "stage": stage, "state": dataclasses.asdict(state),
-        "rng": torch.get_rng_state(), "config": dataclasses.asdict(run.cfg)}, ref=run.ref, keep=run.cfg.keep_ckpts)
+        "rng": torch.get_rng_state(), "config": dataclasses.asdict(run.cfg)}, ref=run.ref, keep=run.cfg.keep_ckpts,
+        dtype=getattr(torch, run.cfg.save_dtype) if run.cfg.save_dtype else None)
 
 
 def main(cfg: Config) -> dict:
@@ -456,6 +471,9 @@ def main(cfg: Config) -> dict:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in run.model.parameters()):,} "
               f"parameters, world size {run.proc.world}, device {run.proc.device}\nobjective: {objective(cfg)}")
     opt, stage, results, rl_t0 = None, None, {}, time.time()
+    if not latest:  # the baseline: every curve starts from the checkpoint it trains
+        logger.log(0, "base", results.setdefault("base", evaluate(run, 0, logger)))
+        logger.t0 = time.time()  # the console's ETA counts training steps only
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # each stage starts a fresh AdamW and LR schedule
             stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()

@@ -157,16 +157,15 @@ def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
-                    ref=None, keep: int = 0):
-    """out_dir/step_N/: `model`'s HF folder, trainer_state.pt, ref_model.pt; keeps the newest `keep` (0: all)."""
+                    ref=None, keep: int = 0, dtype=None):
+    """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the source folder's; its
+    tokenizer and generation files, else `tokenizer`), trainer_state.pt ({"optimizer": ..., **trainer_state}) and
+    ref_model.pt when a reference model is given; keeps the newest `keep` checkpoints (0: all)."""
     model_sd, opt_sd = full_state(model, opt)
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
-        with torch.device("meta"):
-            m = Transformer(model.config)
-        m.load_state_dict({k: v.detach().cpu() for k, v in model_sd.items()}, assign=True)
-        m.save_pretrained(tmp, tokenizer=tokenizer)
+        model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)  # sharded or not
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
         torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))

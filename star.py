@@ -171,8 +171,9 @@ def main(cfg: StarConfig) -> dict:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {run.proc.world}, device {run.proc.device}, "
               f"algo {stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune", flush=True)
     # ---------------------------------------------------------------------------- step 0: cold start
-    sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids)  # train_size bounds
-    opt, sched = train.make_optimizer(run, cfg.sft_lr, cfg.sft_steps)                     # the pool, not this
+    # train_size bounds the pool of step 1, not the cold start
+    sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids, run.task.tok_config)
+    opt, sched = train.make_optimizer(run, cfg.sft_lr, cfg.sft_steps)
     for step in range(1, cfg.sft_steps + 1):
         logger.log(step, "sft", train.sft_update(run, opt, sched, *cold_start_batch(run, sft_task, state)))
     step = cfg.sft_steps

@@ -113,14 +113,16 @@ def test_smoke_run_sft_then_rl(tmp_path):
     recs = records(out)
     steps = [r["step"] for r in recs if "train/loss" in r]
     assert steps == list(range(1, 11))
-    assert {r["stage"] for r in recs if r["step"] <= 6} == {"sft"} and recs[-1]["stage"] == "rl"
+    assert recs[0]["stage"] == "base" and {r["stage"] for r in recs if 1 <= r["step"] <= 6} == {"sft"}
+    assert recs[-1]["stage"] == "rl"
     rl = [r for r in recs if r["stage"] == "rl" and "train/reward" in r]
     assert len(rl) == 4 and all(0 <= r["train/reward"] <= 1 for r in rl)
     evals = [r for r in recs if "eval/pass@1" in r]
-    assert [r["step"] for r in evals] == [5, 6, 10]  # every 5 steps and at the end of each stage
+    # the untrained baseline at step 0 (issue 13), then every 5 steps and at the end of each stage
+    assert [r["step"] for r in evals] == [0, 5, 6, 10]
     for r in evals:
-        assert all(0 <= r[k] <= 1 for k in ("eval/pass@1", "eval/pass@1_sampled", "eval/maj@4"))
-    assert set(results) == {"sft", "rl"}
+        assert all(0 <= r[k] <= 1 for k in ("eval/pass@1", "eval/pass@1_sampled", "eval/maj@4", "eval/truncated_frac"))
+    assert set(results) == {"base", "sft", "rl"}
     # checkpoints are Hugging Face folders that our loader (and transformers) read
     assert sorted(os.listdir(out)) == ["metrics.jsonl", "step_10", "step_5"]
     m = Transformer.from_pretrained(os.path.join(out, "step_10"))
@@ -318,3 +320,60 @@ def test_process_reward_puts_each_step_reward_at_its_last_token():
     assert adv.shape == (2, 19)
     assert torch.allclose(adv[0], torch.tensor(want0), atol=1e-5)
     assert torch.allclose(adv[1, :13], torch.tensor(want1), atol=1e-5)
+
+
+QWEN_PRESET = os.path.join(ROOT, "configs", "qwen2.5-0.5b-gsm8k.toml")
+
+
+def test_stop_ids_come_from_the_checkpoint(hf_folder, gsm8k_file, tmp_path):
+    def stops(folder, **kw):
+        cfg = train.Config(init_from=folder, task="gsm8k", train_file=gsm8k_file, eval_file=gsm8k_file, **kw)
+        tok = train.load_tokenizer(folder)
+        return [tok.id_to_token(i) for i in train.build_run(cfg).task.stop_ids]
+    # the tokenizer's eos, then generation_config.json's eos_token_id (a list, or an int), no repeats
+    assert stops(hf_folder("qwen")) == ["<|im_end|>", "<|endoftext|>"]
+    assert stops(hf_folder("llama")) == ["<|eot_id|>", "<|end_of_text|>"]
+    assert stops(hf_folder("qwen", base=True)) == ["<|endoftext|>"]
+    assert stops(hf_folder("qwen", base=True), template="chat") == ["<|endoftext|>", "<|im_end|>"]  # + end of turn
+    m = Transformer(train.ModelConfig(vocab_size=24, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1))
+    m.save_pretrained(tmp_path / "char", tokenizer=train.build_char_tokenizer(tasks.CHARS))
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # our own folder names its eos too
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        os.remove(tmp_path / "char" / name)
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # an older char folder: rollout.STOP_NAMES
+
+
+@pytest.mark.slow
+def test_qwen_preset_two_rl_steps_from_a_bf16_folder(hf_folder, gsm8k_file, tmp_path):
+    """The Qwen2.5 preset from a bf16 Qwen2.5-Instruct-shaped folder; its step_N/ is that folder to transformers."""
+    src, out = hf_folder("qwen", torch.bfloat16), tmp_path / "run"
+    cfg = train.parse_args(["--config", QWEN_PRESET, f"--init_from={src}", f"--train_file={gsm8k_file}",
+                            f"--eval_file={gsm8k_file}", f"--out_dir={out}", "--wandb_mode=disabled", "--rl_steps=2",
+                            "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=8", "--overlong_buffer=4",
+                            "--max_sample_tries=1", "--eval_n=2", "--eval_k=2", "--ckpt_every=4", "--sft_steps=2",
+                            "--sft_batch_size=2"])  # a cold start on chat-rendered GSM8K solutions moves the weights
+    assert cfg.template == "chat" and cfg.system_prompt.startswith("A conversation")
+    train.main(cfg)
+    recs = records(out)
+    assert [(r["step"], r["stage"]) for r in recs if "train/loss" in r] == [(1, "sft"), (2, "sft"), (3, "rl"),
+                                                                             (4, "rl")]
+    assert recs[0]["step"] == 0 and recs[0]["stage"] == "base" and "eval/pass@1" in recs[0]
+    step = out / "step_4"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (step / name).read_bytes() == open(os.path.join(src, name), "rb").read()
+    weights, before = load_file(step / "model.safetensors"), load_file(os.path.join(src, "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert any(not torch.equal(weights[k], before[k]) for k in weights)  # trained, and still bf16
+    tr = pytest.importorskip("transformers")
+    a, b = tr.AutoTokenizer.from_pretrained(src), tr.AutoTokenizer.from_pretrained(step)
+    assert type(a) is type(b) and a.special_tokens_map == b.special_tokens_map and a.chat_template == b.chat_template
+    assert a.all_special_ids == b.all_special_ids and a.eos_token == b.eos_token == "<|im_end|>"
+    eos = [tr.GenerationConfig.from_pretrained(d).eos_token_id for d in (src, step)]
+    assert eos[0] == eos[1] == [402, 400]  # <|im_end|>, <|endoftext|>
+    assert tr.AutoModelForCausalLM.from_pretrained(step).dtype == torch.bfloat16
+    hf = tr.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(step, dtype=torch.float32).eval()
+    idx = torch.tensor([b.apply_chat_template([{"role": "user", "content": "How many clips?"}],
+                                              add_generation_prompt=True, return_dict=False)])
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)).abs().max() < 1e-5

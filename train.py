@@ -465,7 +465,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
                 gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()
-                for k, v in {"train/logprob_gap_max": gap, **({"train/tis_max": tis.pop("tis_max")} if tis else {})}.items():
+                for k, v in [("train/logprob_gap_max", gap)] + ([("train/tis_max", tis.pop("tis_max"))] if tis else []):
                     maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),

@@ -64,6 +64,9 @@ class Config:
     sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 4
     sft_direct_frac: float = 0.5        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_flaw_frac: float = 0.0          # arithmetic: share of demos from a sloppy teacher (tasks.flawed_solution)
+    sft_flaw: str = "random"            # its error: random (one step off by 1-3) | sign (negatives lose their "-")
+    sft_answer_filter: bool = False     # drop demos whose final answer is wrong (answer-filtered SFT, RFT-like)
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
     eval_min_ops: int = 2
@@ -120,7 +123,7 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
-        "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "sft_flaw": tasks.FLAWS, "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
         "wandb_mode": ("auto", "online", "offline", "disabled")}
 
 

@@ -218,9 +218,9 @@ class Task:
                             for i in range(cfg.eval_n)]
         else:
             raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k or math")
-        if cfg.sft_flaw_frac and cfg.task != "arithmetic":
-            raise SystemExit(f"error: sft_flaw_frac needs task=arithmetic (a sloppy teacher of its chains), "
-                             f"not {cfg.task!r}")
+        if cfg.sft_flaw_frac and cfg.sft_steps and cfg.task != "arithmetic":
+            raise SystemExit(f"error: sft_flaw_frac (the CPU demo's sloppy teacher) needs task=arithmetic, not "
+                             f"{cfg.task!r}; pass --sft_flaw_frac=0")
         self.heldout_prompts = {p.prompt for p in self.heldout}
 
     def synthetic(self, seed, i, lo, hi) -> Problem:

@@ -11,7 +11,7 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
 The supervised stage (DeepSeek-R1 cold start) minimises grpo.sft_loss on the task's worked solutions (sft_update).
 Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its scoring twin in rollout.py.
 
-  python train.py                                        # the CPU demo: SFT then DAPO on synthetic arithmetic
+  python train.py                                        # the CPU demo: SFT on a sloppy teacher, then DAPO
   python train.py --config configs/smoke.toml --rl_steps=8
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml
 """
@@ -63,9 +63,9 @@ class Config:
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
     sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 4
-    sft_direct_frac: float = 0.5        # synthetic: share of cold-start demos that give only "#### N", no steps
-    sft_flaw_frac: float = 0.0          # arithmetic: share of demos from a sloppy teacher (tasks.flawed_solution)
-    sft_flaw: str = "random"            # its error: random (one step off by 1-3) | sign (negatives lose their "-")
+    sft_direct_frac: float = 0.0        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_flaw_frac: float = 0.6          # arithmetic: share of demos from a sloppy teacher (tasks.flawed_solution)
+    sft_flaw: str = "sign"              # its error: sign (negatives lose their "-") | random (one step off by 1-3)
     sft_answer_filter: bool = False     # drop demos whose final answer is wrong (answer-filtered SFT, RFT-like)
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
@@ -79,7 +79,7 @@ class Config:
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     # --- RL sampling
-    rl_steps: int = 500
+    rl_steps: int = 200
     rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
@@ -123,8 +123,8 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
-        "sft_flaw": tasks.FLAWS, "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
-        "wandb_mode": ("auto", "online", "offline", "disabled")}
+        "adv_scale": ("group", "batch", "none"), "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "wandb_mode": ("auto", "online", "offline", "disabled"), "sft_flaw": tasks.FLAWS}
 
 
 def parse_args(argv: list[str], cls=Config):

@@ -7,8 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from tasks import (CHARS, Problem, arithmetic, countdown, countdown_check, countdown_reward, flawed_solution, load_gsm8k,
-                   load_math, render_prompt)
+from tasks import (CHARS, Problem, arithmetic, countdown, countdown_check, countdown_reward, flawed_solution,
+                   load_gsm8k, load_math, render_prompt)
 from verify import reward, step_rewards
 
 

@@ -183,7 +183,7 @@ def main(cfg: StarConfig) -> dict:
     n_pool = cfg.train_size if cfg.train_size > 0 else len(run.task.train)
     pool = [run.task.problem("rl", i) for i in range(n_pool)]
     # ---------------------------------------------------------------------------- steps 1-4: iterations
-    t_start = time.time()
+    trained = 0.0  # seconds spent sampling and fine-tuning: the budget rl_minutes counts no evaluation
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
         data, stats = collect(run, pool, it)
@@ -203,11 +203,13 @@ def main(cfg: StarConfig) -> dict:
         if run.proc.rank == 0:
             print(f"iteration {it}: " + " ".join(f"{k[7:]} {v:.3f}" for k, v in stats.items()) +
                   f" | sample {t1 - t0:.1f}s, fine-tune {time.time() - t1:.1f}s", flush=True)
+        trained += time.time() - t0
         results[stage] = train.evaluate(run, step, logger)
         logger.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
-                                 "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
+                                 "train/loss_mean": sum(losses) / max(1, len(losses)), "time/trained_s": trained,
+                                 **results[stage]})
         train.save(run, state, step, stage, opt, sched)
-        if infra.any_rank(0 < cfg.rl_minutes < (time.time() - t_start) / 60):  # RL's time budget
+        if infra.any_rank(0 < cfg.rl_minutes < trained / 60):  # RL's time budget
             break
     return logger.finish(results)
 

@@ -56,12 +56,34 @@ def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_op
         for _ in range(20):
             op = rng.choice(ops)
             b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
-            new = value + b if op == "+" else value - b if op == "-" else value * b
+            new = _apply(value, op, b)
             if not max_value or abs(new) <= max_value:
                 break
         steps.append(f"{value}{op}{b}={new}")
         prompt, value = prompt + f"{op}{b}", new
     return Problem(prompt=prompt + "=", gold=str(value), solution=";".join(steps) + f" #### {value}", level=n_ops)
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+FLAWS = ("random", "sign")
+
+
+def flawed_solution(p: Problem, flaw: str, rng: random.Random) -> str:
+    """A sloppy teacher's worked solution of an arithmetic chain, each error carried on to the final answer as a
+    careless solver would: random, one step (drawn by rng) off by ±1..3, a slip; sign, every negative result
+    written without its minus sign ("3-7=4"), a consistent misconception. Chains without a negative result stay
+    right under sign."""
+    nums, ops = [int(n) for n in re.findall(r"\d+", p.prompt)], re.findall(r"[-+*]", p.prompt)
+    value, steps, slip, offset = nums[0], [], rng.randrange(len(ops)), rng.choice((-3, -2, -1, 1, 2, 3))
+    for i, (op, b) in enumerate(zip(ops, nums[1:])):
+        new = _apply(value, op, b)
+        new = abs(new) if flaw == "sign" else new + offset * (i == slip)
+        steps.append(f"{value}{op}{b}={new}")
+        value = new
+    return ";".join(steps) + f" #### {value}"
 
 
 def countdown(seed: int, index: int, n_numbers: int = 3, max_number: int = 25) -> Problem:
@@ -259,15 +281,22 @@ class Task:
         seed = seed_of(cfg.seed, stage == "sft")
         pid = k % cfg.train_size if cfg.train_size else k
         p = self.synthetic(seed, pid, lo, hi)
-        while p.prompt in self.heldout_prompts:  # deterministic re-draw keeps the held-out set unseen
+        # deterministic re-draws keep the held-out set unseen and, with sft_answer_filter, drop every
+        # demonstration whose final answer is wrong (answer-filtered SFT: the next problem takes its place)
+        while p.prompt in self.heldout_prompts or (stage == "sft" and cfg.sft_answer_filter and
+                                                   verify.reward(self.cold_start_target(k, p), p.gold) < 1):
             pid += 1 << 40
             p = self.synthetic(seed, pid, lo, hi)
         return pid, p
 
     def cold_start_target(self, k: int, p: Problem) -> str:
-        """The k-th cold-start target: the worked solution, or (a seeded sft_direct_frac share) the bare answer."""
+        """The k-th cold-start target: the worked solution, from the sloppy teacher (flawed_solution) in a seeded
+        sft_flaw_frac share, then (a seeded sft_direct_frac share) only its final answer."""
+        flaw = random.Random(f"flaw:{self.cfg.seed}:{k}:{p.prompt}")  # keyed by the prompt too: a re-draw re-rolls
+        flawed = self.cfg.task == "arithmetic" and flaw.random() < self.cfg.sft_flaw_frac  # the demo's teacher only
+        solution = flawed_solution(p, self.cfg.sft_flaw, flaw) if flawed else p.solution
         direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
-        return f"#### {p.gold}" if direct else p.solution
+        return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}" if direct else solution
 
     def chat(self, question: str, answer: str = "") -> str:
         """The chat template's text of system_prompt (if set), the question, then the generation prompt or `answer`."""

@@ -11,7 +11,7 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
 The supervised stage (DeepSeek-R1 cold start) minimises grpo.sft_loss on the task's worked solutions (sft_update).
 Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its scoring twin in rollout.py.
 
-  python train.py                                        # the CPU demo: SFT then DAPO on synthetic arithmetic
+  python train.py                                        # the CPU demo: SFT on a sloppy teacher, then DAPO
   python train.py --config configs/smoke.toml --rl_steps=8
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml
 """
@@ -66,7 +66,10 @@ class Config:
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
     sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 4
-    sft_direct_frac: float = 0.5        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_direct_frac: float = 0.0        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_flaw_frac: float = 0.6          # arithmetic only: share of demos from a sloppy teacher (tasks.flawed_solution)
+    sft_flaw: str = "sign"              # its error: sign (negatives lose their "-") | random (one step off by 1-3)
+    sft_answer_filter: bool = False     # drop demos whose final answer is wrong (answer-filtered SFT, RFT-like)
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
     eval_min_ops: int = 2
@@ -79,7 +82,7 @@ class Config:
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     # --- RL sampling
-    rl_steps: int = 500
+    rl_steps: int = 200
     rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
@@ -139,7 +142,7 @@ class Config:
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES,
-        "save_dtype": ("", "float32", "bfloat16", "float16")}
+        "save_dtype": ("", "float32", "bfloat16", "float16"), "sft_flaw": tasks.FLAWS}
 
 
 def parse_args(argv: list[str], cls=Config):

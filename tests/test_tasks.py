@@ -2,6 +2,7 @@
 templates against hand-written renderings and transformers' apply_chat_template."""
 import json
 import os
+import random
 import re
 import time
 from datetime import datetime
@@ -11,7 +12,7 @@ import pytest
 from conftest import QWEN_SYSTEM
 
 from tasks import (CHARS, Problem, Task, arithmetic, chat_template, countdown, countdown_check, countdown_reward,
-                   load_gsm8k, load_math, read_tokenizer_config, render_prompt)
+                   flawed_solution, load_gsm8k, load_math, read_tokenizer_config, render_prompt)
 from verify import reward, step_rewards
 
 
@@ -70,6 +71,53 @@ def test_arithmetic_is_independent_of_call_order():
         interleaved.append(arithmetic(7, i))
     assert forward == backward == interleaved
     assert [arithmetic(7, i) for i in range(20)] != [arithmetic(8, i) for i in range(20)]  # seeds differ
+
+
+
+def chain(solution: str) -> list[tuple[int, str, int, int]]:
+    """The steps "a op b=c" of a worked solution as (a, op, b, c)."""
+    return [(int(a), op, int(b), int(c)) for a, op, b, c in re.findall(r"(-?\d+)([-+*])(\d+)=(-?\d+)", solution)]
+
+
+def test_sloppy_teacher_pinned_examples():
+    rng = random.Random(0)
+    p = Problem("2-5+2=", "-1", "2-5=-3;-3+2=-1 #### -1", 2)
+    assert flawed_solution(p, "sign", rng) == "2-5=3;3+2=5 #### 5"  # |2-5| = 3, carried on: 3+2 = 5
+    q = Problem("3+4+9=", "16", "3+4=7;7+9=16 #### 16", 2)
+    assert flawed_solution(q, "sign", rng) == q.solution  # no negative result: nothing to get wrong
+
+
+@pytest.mark.parametrize("flaw", ["sign", "random"])
+def test_sloppy_teacher_chains(flaw):
+    rng, n_wrong = random.Random(1), 0
+    for i in range(500):
+        p = arithmetic(2, i, min_ops=2, max_ops=4, max_operand=9, ops="+-")
+        s = flawed_solution(p, flaw, rng)
+        steps, value, wrong = chain(s), int(re.match(r"\d+", p.prompt).group()), 0
+        assert [f"{op}{b}" for _, op, b, _ in steps] == re.findall(r"[-+]\d+", p.prompt)  # the prompt's operations
+        for a, op, b, c in steps:
+            assert a == value  # each step starts from the result written before it: errors are carried on
+            right = a + b if op == "+" else a - b
+            wrong += c != right
+            assert c == abs(right) if flaw == "sign" else c == right or 1 <= abs(c - right) <= 3
+            value = c
+        assert s.endswith(f"#### {value}")
+        if flaw == "random":  # exactly one slip, and on + - chains it always changes the final answer
+            assert wrong == 1 and reward(s, p.gold) == 0.0
+        else:  # wrong exactly when the correct chain goes below zero somewhere
+            assert (wrong > 0) == (reward(s, p.gold) == 0.0) == (min(running_values(p.prompt)) < 0)
+        n_wrong += wrong > 0
+    assert n_wrong == 500 if flaw == "random" else 100 < n_wrong < 400
+
+
+def running_values(prompt: str) -> list[int]:
+    """Independent evaluator: every intermediate result of the left-to-right fold."""
+    tokens, out = re.findall(r"\d+|[-+*]", prompt.rstrip("=")), []
+    value = int(tokens[0])
+    for op, b in zip(tokens[1::2], map(int, tokens[2::2])):
+        value = value + b if op == "+" else value - b if op == "-" else value * b
+        out.append(value)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- countdown

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import infra
 import tasks
 import train
+import verify
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,7 +281,7 @@ def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
 
 
 def test_cold_start_direct_answer_share_and_disjoint_heldout():
-    cfg = train.Config(sft_direct_frac=0.5, eval_n=200)
+    cfg = train.Config(sft_direct_frac=0.5, sft_flaw_frac=0.0, eval_n=200)  # a correct teacher, half bare answers
     task = tasks.Task(cfg, train.build_char_tokenizer(tasks.CHARS), [2])
     demos = [task.cold_start_target(k, task.problem("sft", k)[1]) for k in range(2000)]
     direct = [d for d in demos if d.startswith("####")]
@@ -292,6 +293,37 @@ def test_cold_start_direct_answer_share_and_disjoint_heldout():
     assert not train_prompts & task.heldout_prompts  # the held-out set is never trained on
     assert {p.level for p in task.heldout} == {2, 3, 4}
 
+
+
+@pytest.mark.parametrize("flaw", ["sign", "random"])
+def test_sloppy_teacher_share_and_answer_filter(flaw):
+    kw = dict(sft_direct_frac=0.0, sft_flaw_frac=0.6, sft_flaw=flaw, eval_n=200)
+    task = tasks.Task(train.Config(**kw), train.build_char_tokenizer(tasks.CHARS), [2])
+    probs = [task.problem("sft", k)[1] for k in range(2000)]
+    demos = [task.cold_start_target(k, p) for k, p in enumerate(probs)]
+    assert demos == [task.cold_start_target(k, p) for k, p in enumerate(probs)]  # seeded per demo
+    flawed = [d != p.solution for d, p in zip(demos, probs)]
+    wrong = [verify.reward(d, p.gold) < 1 for d, p in zip(demos, probs)]
+    assert flawed == wrong  # every altered demonstration ends on a wrong answer (the error is carried on)
+    # random: 60% of the demos; sign: 60% of those whose chain goes below zero (about 42% of them)
+    assert 0.55 < sum(wrong) / 2000 < 0.65 if flaw == "random" else 0.2 < sum(wrong) / 2000 < 0.3
+    filt = tasks.Task(train.Config(**kw, sft_answer_filter=True), train.build_char_tokenizer(tasks.CHARS), [2])
+    fprobs = [filt.problem("sft", k)[1] for k in range(2000)]
+    assert all(verify.reward(filt.cold_start_target(k, p), p.gold) == 1 for k, p in enumerate(fprobs))
+    assert all(q == p for q, p, w in zip(fprobs, probs, wrong) if not w)  # a right demonstration is kept as is
+    assert not {p.prompt for p in fprobs} & filt.heldout_prompts
+    direct = tasks.Task(train.Config(**{**kw, "sft_direct_frac": 1.0}), train.build_char_tokenizer(tasks.CHARS), [2])
+    assert [direct.cold_start_target(k, p) for k, p in enumerate(probs[:200])] == \
+        [d[d.index("####"):] for d in demos[:200]]  # a bare answer is the sloppy teacher's answer too
+
+
+def test_sloppy_teacher_flaws_arithmetic_demonstrations_only():
+    task = tasks.Task(train.Config(task="countdown", sft_flaw_frac=1.0, sft_direct_frac=0.0),
+                      train.build_char_tokenizer(tasks.CHARS), [2])
+    probs = [task.problem("sft", k)[1] for k in range(50)]
+    assert [task.cold_start_target(k, p) for k, p in enumerate(probs)] == [p.solution for p in probs]
+    with pytest.raises(SystemExit, match="sft_flaw"):
+        train.parse_args(["--sft_flaw=typo"])
 
 def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     out = tmp_path / "timed"

@@ -271,8 +271,9 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from model import Transformer, load_tokenizer
+    from templates import read_tokenizer_config, stop_ids
     model, tok = Transformer.from_pretrained(args.ckpt).eval(), load_tokenizer(args.ckpt)
-    stop = [i for i in (tok.token_to_id(s) for s in STOP_NAMES) if i is not None]
+    stop = stop_ids(tok, read_tokenizer_config(args.ckpt), STOP_NAMES)  # the checkpoint's own, else by name
     t0 = time.perf_counter()
     r = generate(model, [tok.encode(args.prompt).ids], args.n, args.max_new_tokens, args.temperature, args.top_k,
                  args.top_p, stop_ids=stop, seed=args.seed)

@@ -3,7 +3,8 @@
 1. render_prompt(question, template): TEMPLATES["plain"] is the question unchanged; "r1" asks for DeepSeek-R1-Zero's
    <think></think> then <answer></answer>; "boxed" for a final \\boxed{} answer.
 2. read_tokenizer_config(folder): tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
-   generation_config.json's eos_token_id, merged the way transformers merges them.
+   generation_config.json's eos_token_id, merged the way transformers merges them; stop_ids(tok, info) the ids
+   that end a completion (train.py's and rollout.py's).
 3. chat_template(source): the jinja2 environment transformers' apply_chat_template renders a template in
    (sandboxed, trim_blocks, lstrip_blocks, loop controls, raise_exception, strftime_now, tojson), so
    tasks.Task.chat gives the exact text transformers gives. jinja2 is imported only when a chat template is used.
@@ -50,6 +51,14 @@ def read_tokenizer_config(folder) -> dict:
                            for k in [f"{n}_token" for n in "bos eos unk sep pad cls mask".split()] if (v := d.get(k))}
     eos = gen.get("eos_token_id")
     return {**d, "eos_ids": [eos] if isinstance(eos, int) else list(eos or [])}
+
+
+def stop_ids(tok, info: dict, names=()) -> list[int]:
+    """The ids that end a completion: the folder's eos_token and generation_config's eos_token_id (info from
+    read_tokenizer_config); where it names neither (our char-level folders), the tokens spelled as one of names."""
+    eos = [tok.token_to_id(info["special_tokens"].get("eos_token", "")), *info["eos_ids"]] if info else []
+    eos = [i for i in eos if i is not None] or [tok.token_to_id(t) for t in names]
+    return [i for i in dict.fromkeys(eos) if i is not None]
 
 
 @functools.lru_cache(maxsize=8)

@@ -221,9 +221,7 @@ def build_run(cfg: Config) -> Run:
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
-    eos = [tok.token_to_id(info["special_tokens"].get("eos_token", "")), *info["eos_ids"]] if info else []
-    eos = [i for i in eos if i is not None] or [tok.token_to_id(t) for t in STOP_NAMES]  # names: for our char folders
-    stop_ids = [i for i in dict.fromkeys(eos) if i is not None]
+    stop_ids = templates.stop_ids(tok, info, STOP_NAMES)
     return Run(cfg, proc, infra.shard(model.to(proc.device), proc), tasks.Task(cfg, tok, stop_ids, info))
 
 

@@ -261,3 +261,26 @@ def test_head_log_probs_do_not_depend_on_the_chunk():
     assert torch.allclose(outs[0][1], -(z.exp() * z).sum(-1), atol=1e-12)
     for o in outs[1:]:
         assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(o, outs[0]))
+
+
+@pytest.mark.parametrize("family,base,ends", [("llama", False, ("<|end_of_text|>", "<|eot_id|>")),
+                                              ("qwen", True, ("<|endoftext|>",))])
+def test_command_line_stops_at_the_checkpoints_own_end_tokens(hf_folder, monkeypatch, capsys, family, base, ends):
+    """python rollout.py --ckpt DIR: the stop ids are the folder's (generation_config.json's eos_token_id), not
+    the tokens of rollout.STOP_NAMES it holds: a base Qwen2.5 has <|im_end|> but does not stop at it; Llama 3's
+    <|end_of_text|> is no stop name."""
+    import json
+    import os
+    import sys
+
+    import rollout
+    from tokenizers import Tokenizer
+    folder, seen = hf_folder(family, base=base), {}
+    expected = json.load(open(os.path.join(folder, "generation_config.json")))["eos_token_id"]
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    assert sorted(expected if isinstance(expected, list) else [expected]) == sorted(map(tok.token_to_id, ends))
+    monkeypatch.setattr(rollout, "generate", lambda *a, **kw: seen.update(kw) or generate(*a, **kw))
+    monkeypatch.setattr(sys, "argv", ["rollout.py", "--ckpt", folder, "--prompt", "Natalia sold", "--n", "2",
+                                      "--max_new_tokens", "3", "--threads", "1"])
+    rollout.main()
+    assert sorted(seen["stop_ids"]) == sorted(map(tok.token_to_id, ends)) and "tokens/s" in capsys.readouterr().out

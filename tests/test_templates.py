@@ -7,7 +7,7 @@ import pytest
 
 from model import build_char_tokenizer
 from tasks import CHARS, Task
-from templates import chat_template, read_tokenizer_config, render_prompt
+from templates import chat_template, read_tokenizer_config, render_prompt, stop_ids
 
 
 def test_render_prompt():
@@ -72,3 +72,20 @@ def test_read_tokenizer_config_as_transformers_reads_it(tmp_path):
     assert b["special_tokens"] == {"eos_token": "<|eot|>", "pad_token": "<pad>"}  # legacy map overrides
     c = folder("c")
     assert c["eos_ids"] == [] and c["special_tokens"] == {} and c.get("chat_template") is None
+
+
+class Vocab:  # the one method of tokenizers.Tokenizer stop_ids calls
+    def __init__(self, *tokens):
+        self.ids = {t: i for i, t in enumerate(tokens)}
+
+    def token_to_id(self, t):
+        return self.ids.get(t)
+
+
+def test_stop_ids_come_from_the_folder_then_from_names(tmp_path):
+    tok = Vocab("a", "<|endoftext|>", "<|im_end|>", "<eos>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    assert stop_ids(tok, read_tokenizer_config(tmp_path), names=("<eos>",)) == [2, 1]  # no name is consulted
+    assert stop_ids(tok, {}, names=("</s>", "<eos>", "<|endoftext|>")) == [3, 1]  # a folder naming no eos
+    assert stop_ids(tok, {"special_tokens": {"eos_token": "<unknown>"}, "eos_ids": []}, names=("<eos>",)) == [3]

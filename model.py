@@ -169,14 +169,15 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One new token per row: x [B, 1, C], cos/sin [B, 1, D], bias [B·H_kv, 1, S] (0, or −inf on pads). With one
-        query per row SDPA's CPU kernel is slower than two batched matmuls over each K/V head's group of queries."""
-        B, Hkv, D, n = x.shape[0], self.Hkv, self.D, cache.n
+        """One new token per row: x [B, 1, C], cos/sin [B, 1, D], bias [B·H_kv, 1, W] (0, or −inf on pads and future
+        slots), written at slot `cache.slot` (a device tensor). With one query per row SDPA's CPU kernel is slower
+        than two batched matmuls over each K/V head's group of queries."""
+        B, Hkv, D, W, at = x.shape[0], self.Hkv, self.D, bias.shape[-1], cache.slot.view(1)
         q = apply_rope(self.q_proj(x).view(B, self.H, D), cos, sin)                  # [B, H, D]
-        cache.k[layer, :, :, n] = apply_rope(self.k_proj(x).view(B, Hkv, D), cos, sin)
-        cache.v[layer, :, :, n] = self.v_proj(x).view(B, Hkv, D)
-        k = cache.k[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)                 # [B·H_kv, S, D], a view
-        v = cache.v[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)
+        cache.k[layer].index_copy_(2, at, apply_rope(self.k_proj(x).view(B, Hkv, D), cos, sin)[:, :, None])
+        cache.v[layer].index_copy_(2, at, self.v_proj(x).view(B, Hkv, 1, D))
+        k = cache.k[layer, :, :, :W].reshape(B * Hkv, W, D)                          # [B·H_kv, W, D], a view
+        v = cache.v[layer, :, :, :W].reshape(B * Hkv, W, D)
         att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), k.transpose(1, 2), alpha=D ** -0.5)
         y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(v.dtype), v)           # [B·H_kv, H/H_kv, D]
         return self.o_proj(y.view(B, 1, self.H * D))
@@ -207,20 +208,21 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values, [B, H_kv, max_len, D] per layer, filled left to right at one shared slot counter
-    `n` (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
-    first real slot. Allocated once per rollout and passed into forward; never a buffer on the module. Also holds
-    what decode steps would rebuild: RoPE cos/sin per position, and an attention bias per row and slot (−inf: pad)."""
+    """Preallocated keys/values, [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
+    shared slot (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
+    first real slot. `n` counts the filled slots on the host, `slot` is the same count as a 0-d device tensor: the
+    decode step's write position. A decode step attends over the first n + 1 slots, or, with `width` set (a static
+    step: no Python int that changes per token, so CUDA graphs can capture it), over `width` slots, masked on
+    device from (start, slot); then `n` stays put. Allocated per rollout and passed into forward, never a buffer on
+    the module. Also holds the RoPE cos/sin per position."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
-        self.n = 0
+        self.n, self.slot, self.width = 0, torch.zeros((), dtype=torch.long, device=device), None
         self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
-        pad = torch.arange(max_len, device=device)[None] < self.start[:, None]
-        self.bias = torch.zeros(batch, max_len, device=device, dtype=dtype).masked_fill_(pad, float("-inf"))
 
     def write(self, layer, k, v):
         T = k.shape[2]
@@ -232,9 +234,8 @@ class KVCache:
         """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,
         a subset drops finished rows. Advanced indexing copies, so the result owns its memory."""
         new = KVCache.__new__(KVCache)
-        new.k, new.v = self.k[:, rows], self.v[:, rows]
-        new.start, new.n = self.start[rows], self.n
-        new.cos, new.sin, new.bias = self.cos, self.sin, self.bias[rows]
+        new.k, new.v, new.start = self.k[:, rows], self.v[:, rows], self.start[rows]
+        new.n, new.slot, new.width, new.cos, new.sin = self.n, self.slot.clone(), self.width, self.cos, self.sin
         return new
 
 
@@ -270,11 +271,12 @@ class Transformer(nn.Module):
         if n0 + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         h = self.model.embed_tokens(idx)
-        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask come from the cache's tables
-            pos = (n0 - start).clamp_(min=0)[:, None]                                    # [B, 1]
-            cos, sin = cache.cos[pos], cache.sin[pos]                                    # [B, 1, D]
-            mask = torch.cat((cache.bias[:, :n0], cache.bias.new_zeros(B, 1)), 1)       # a row always sees itself
-            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, S] bias
+        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask from (start, slot), on the device
+            keys, slot = torch.arange(cache.width or n0 + 1, device=idx.device), cache.slot         # [W], 0-d
+            cos, sin = (t[(slot - start).clamp(min=0)[:, None]] for t in (cache.cos, cache.sin))  # [B, 1, D]
+            ok = (keys <= slot) & ((keys >= start[:, None]) | (keys == slot))  # no pads or future; a row sees itself
+            mask = torch.zeros(B, len(keys), dtype=h.dtype, device=idx.device).masked_fill_(~ok, float("-inf"))
+            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, W] bias
         else:
             slots = torch.arange(n0, n0 + T, device=idx.device)                       # [T]
             cos, sin = rope_cos_sin(self.config, T, idx.device, h.dtype) if cache is None else (cache.cos, cache.sin)
@@ -290,7 +292,8 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             h = block(h, cos, sin, mask, cache, i)
         if cache is not None:
-            cache.n += T
+            cache.slot += T
+            cache.n += 0 if cache.width else T
         h = self.model.norm(h[:, -1:] if last_only else h)
         return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 

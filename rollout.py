@@ -25,16 +25,23 @@ records log_softmax(raw logits) at it; top_k/top_p do not apply.
 """
 import argparse
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from model import KVCache
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 20m models, 64 rows, mean length ~55)
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
+CDF_BLOCK = 1024  # the inverse CDF's block: 149 blocks of a 151,936-token vocabulary
+CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
+MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
+WIDTH_STEP = 128   # static decoding: attention reads the filled slots rounded up to 128 (a graph per width)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -82,14 +89,22 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
 def sample(z: torch.Tensor, u: torch.Tensor | None):
     """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
     whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
-    predecessor's); without (greedy), argmax z."""
+    predecessor's); without (greedy), argmax z. The probabilities are rounded down to multiples of 2^-52 in float64,
+    so every partial sum is exact in any order: the search runs in two levels, over block sums, then inside the
+    chosen block only (no serial walk over V), and picks exactly the token a one-level cumsum search picks."""
     if u is None:
         tok = z.argmax(-1)
         return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
-    c = p.double().cumsum_(-1)                                                          # [B, V] float64
-    tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range
-    return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()
+    B, V, K = *p.shape, CDF_BLOCK
+    q = F.pad(p.double().mul_(2.0 ** 52).floor_().mul_(2.0 ** -52), (0, -V % K)).view(B, -1, K)  # [B, V/K, K]
+    sums = q.sum(-1)                                                                    # [B, V/K] block masses
+    ends = sums.cumsum(-1)                                                              # c at each block's end
+    x = (u * ends[:, -1])[:, None]                                                      # [B, 1] the mass to pass
+    j = torch.searchsorted(ends, x, right=True)  # the first block whose end exceeds x (u < 1: in range)
+    c = q.gather(1, j[:, :, None].expand(B, 1, K))[:, 0].cumsum_(-1) + (ends - sums).gather(1, j)  # [B, K]
+    tok = j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]
+    return tok, (p.gather(-1, tok[:, None])[:, 0] / ends[:, -1]).log().float()
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -198,63 +213,131 @@ def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_
             raise ValueError(msg)
 
 
+@dataclass
+class Decoder:
+    """The decode loop's state: tensors step() updates in place (a captured graph replays on the same addresses)
+    and the sampling settings, Python constants the step is specialised on."""
+    cache: KVCache
+    tok: torch.Tensor              # [B] the last sampled token
+    live: torch.Tensor             # [B] bool, no stop token yet
+    rows: torch.Tensor             # [B] output row of each batch row (N: a padding row of a bucket)
+    noise: torch.Tensor            # [B, L] float64, each row's uniform per position
+    t: torch.Tensor                # 0-d long: the position sampled next
+    out: tuple = ()                # (ids, log-probs, mask), each [N + 1, L]: shared by every batch of one call
+    stop: torch.Tensor = None      # [k] stop ids
+    settings: tuple = ()           # (temperature, top_k, top_p, pad_id)
+
+
+def record(d: Decoder, logits: torch.Tensor):
+    """3-4. Token t of every row from its logits [B, V]: filter, sample with the row's uniform u[t], write the
+    token, its log-prob and the live flag at (row, t) of the outputs (pads once the row stopped), stop check."""
+    temperature, top_k, top_p, pad_id = d.settings
+    u = d.noise.index_select(1, d.t.view(1))[:, 0] if temperature > 0 else None
+    tok, logp = sample(filter_logits(logits, temperature, top_k, top_p), u)                 # [B], [B]
+    at = (d.rows, d.t.expand(len(d.rows)))
+    for buf, x in zip(d.out, (tok.masked_fill(~d.live, pad_id), logp.masked_fill(~d.live, 0.0), d.live)):
+        buf.index_put_(at, x)
+    d.live.logical_and_(~torch.isin(tok, d.stop))
+    d.tok.copy_(tok)
+    d.t.add_(1)
+
+
+def step(model, d: Decoder):
+    """One decode step of the batch: feed each row's last token, sample the next. Eager on CPU; with d.cache.width
+    set (static shapes, positions on the device, no host sync) torch.compile captures it whole in CUDA graphs."""
+    record(d, model(d.tok[:, None], d.cache)[:, -1])
+
+
+_BUFFERS = weakref.WeakKeyDictionary()  # model -> {shape: tensors}: the static batches' buffers, made once
+_COMPILED = {}                          # device type -> the compiled static step
+
+
+def compiled_step(device_type: str):
+    """torch.compile of step, made once: whole (fullgraph), in CUDA graphs on CUDA ("reduce-overhead")."""
+    if device_type not in _COMPILED:
+        _COMPILED[device_type] = torch.compile(step, fullgraph=True,
+                                               mode="reduce-overhead" if device_type == "cuda" else None)
+    return _COMPILED[device_type]
+
+
+def batch(model, cache: KVCache, sel, state: tuple, d: Decoder, static: bool) -> Decoder:
+    """A batch of B = len(sel) rows: cache rows `sel` and the per-row state (tok, live, rows, noise), [B] each.
+    Eager: new tensors, the cache rows copied; static: copied into the persistent buffers of a B-row batch, made
+    once per (B, slots, L) and marked as static addresses, so a captured graph replays on them every call."""
+    if not static:
+        return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
+    key = (len(sel), cache.k.shape[3], state[3].shape[1])
+    if key not in (bufs := _BUFFERS.setdefault(model, {})):
+        c = model.new_cache(len(sel), cache.k.shape[3])
+        bufs[key] = (c, [c.k, c.v, c.start, c.slot] + [torch.zeros_like(x) for x in (*state, d.t)])
+        for x in bufs[key][1] + [c.cos, c.sin]:
+            torch._dynamo.mark_static_address(x)
+    c, (k, v, *rest) = bufs[key]
+    torch.index_select(cache.k, 1, sel, out=k), torch.index_select(cache.v, 1, sel, out=v)
+    for dst, src in zip(rest, (cache.start[sel], cache.slot, *state, d.t)):
+        dst.copy_(src)
+    c.width = cache.width
+    return Decoder(c, *rest[2:], d.out, d.stop, d.settings)
+
+
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
-             seed=None, pad_id=0) -> Rollout:
-    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows."""
+             seed=None, pad_id=0, static=None) -> Rollout:
+    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows. static
+    (default: on CUDA) decodes with the captured static step, else eagerly with compaction; the tokens are equal."""
     _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     dev = model.model.embed_tokens.weight.device
+    static = dev.type == "cuda" if static is None else static
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
+    W = -(-(S + L) // WIDTH_STEP) * WIDTH_STEP if static else S + L  # static: the slots in whole chunks
     seeds = row_seeds(seed, N, dev)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
     start = torch.tensor([S - len(p) for p in prompts], device=dev)                          # [P]
-    cache = model.new_cache(P, S + L, start=start)
+    cache = model.new_cache(P, W, start=start)
     logits = model(idx, cache, last_only=True)[:, -1]                                         # [P, V]
-    # 2. G rows share each prompt's prefill
-    group = torch.arange(P, device=dev).repeat_interleave(G)                                 # [N]
-    cache, logits = cache.index_rows(group), logits[group]                                   # [N, V]
-    # one uniform per (row, position), drawn up front: noise never depends on the batch a row is in
+    cache.width = W if static else None
+    # 2. G rows share each prompt's prefill; one uniform per (row, position), drawn up front: noise never depends
+    # on the batch a row is in
+    group, rows = torch.arange(P, device=dev).repeat_interleave(G), torch.arange(N, device=dev)   # [N], [N]
     noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))        # [N, L] float64
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
-    out_ids = torch.full((N, L), pad_id, dtype=torch.long, device=dev)
-    out_lp = torch.zeros(N, L, dtype=torch.float32, device=dev)
-    out_mask = torch.zeros(N, L, dtype=torch.bool, device=dev)
-    rows = torch.arange(N, device=dev)      # [B] output row of each batch row; B shrinks at compactions
-    live = torch.ones(N, dtype=torch.bool, device=dev)  # [B] no stop token yet
-    steps, t0, batch_at_compaction = [], 0, N  # (token, logprob, live) per step since the last flush
-
-    def flush(t1):  # write the buffered steps t0..t1-1 of the current batch into the outputs
-        tok, lp, lv = (torch.stack(x, 1) for x in zip(*steps))                                # [B, t1 - t0]
-        out_ids[rows, t0:t1] = tok.masked_fill(~lv, pad_id)
-        out_lp[rows, t0:t1] = lp.masked_fill(~lv, 0.0)
-        out_mask[rows, t0:t1] = lv
-        steps.clear()
-
-    for t in range(L):
-        # 3. sample from the filtered distribution, 4. record the token and its log-prob
-        z = filter_logits(logits, temperature, top_k, top_p)                                 # [B, V] float32
-        tok, logp = sample(z, noise[:, t] if temperature > 0 else None)                      # [B], [B]
-        steps.append((tok, logp, live))
-        if t == L - 1:
-            break
-        if len(stop):
-            live = live & ~torch.isin(tok, stop)
-            n_live = int(live.sum())  # the one host sync per step
+    out = [torch.full((N + 1, L), v, dtype=dt, device=dev) for v, dt in [(pad_id, torch.long),
+                                                                         (0.0, torch.float32), (False, torch.bool)]]
+    if static:  # the outputs too live at fixed addresses
+        out = _BUFFERS.setdefault(model, {}).setdefault(("out", N, L), out)
+        for buf, v in zip(out, (pad_id, 0.0, False)):
+            torch._dynamo.mark_static_address(buf.fill_(v))
+    d = Decoder(cache, None, None, None, None, torch.zeros((), dtype=torch.long, device=dev), out,
+                torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev), (temperature, top_k, top_p, pad_id))
+    d = batch(model, cache, group, (rows.new_zeros(N), rows >= 0, rows, noise), d, static)
+    record(d, logits[group])                                                                 # token 0
+    run = compiled_step(dev.type) if static else step
+    batch_at_compaction = N
+    for t in range(1, L):
+        if not static or t % CHECK_EVERY == 0:  # the host sync: every step eagerly, every CHECK_EVERY static steps
+            n_live, B = int(d.live.sum()), len(d.tok)
             if n_live == 0:
                 break
-            if n_live <= COMPACT_AT * batch_at_compaction:  # 5. drop finished rows from the batch and the cache
-                flush(t + 1)
-                t0, batch_at_compaction = t + 1, n_live
-                keep = live.nonzero()[:, 0]
-                cache, rows, live, tok, noise = cache.index_rows(keep), rows[keep], live[keep], tok[keep], noise[keep]
-        logits = model(tok[:, None], cache)[:, -1]                                             # [B, V]
-    flush(t + 1)
-    truncated = torch.zeros(N, dtype=torch.bool, device=dev)
-    truncated[rows] = live & ~torch.isin(tok, stop)  # still live after the last token: never stopped
-    mask = out_mask[:, :t + 1]  # L = t + 1 steps were run
-    return Rollout(out_ids[:, :t + 1], mask, out_lp[:, :t + 1], truncated, mask.sum(1), seeds)
+            keep = d.live.nonzero()[:, 0]
+            if static and n_live <= B // 2 and B > MIN_BUCKET:  # 5. to a half-size (or smaller) captured batch
+                while B // 2 >= max(n_live, MIN_BUCKET):
+                    B //= 2
+                sel = torch.cat((keep, keep[:1].expand(B - n_live)))  # padding rows repeat a kept row, not live
+                pad = torch.arange(B, device=dev) >= n_live
+                d = batch(model, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
+                                                d.noise[sel]), d, True)
+            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # 5. drop the finished rows
+                d, batch_at_compaction = batch(model, d.cache, keep, (d.tok[keep], d.live[keep], d.rows[keep],
+                                                                      d.noise[keep]), d, False), n_live
+        if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
+            d.cache.width = min(W, -(-(S + t) // WIDTH_STEP) * WIDTH_STEP)
+        run(model, d)
+    ids, lp, mask = (x[:N] for x in out)
+    lengths = mask.sum(1)
+    n = int(lengths.max())  # the longest row: the steps that produced a token
+    truncated = torch.zeros(N + 1, dtype=torch.bool, device=dev).index_put_((d.rows,), d.live)[:N]
+    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), truncated, lengths, seeds)
 
 
 def main():

@@ -174,6 +174,7 @@ class Run:
     model: torch.nn.Module              # the policy π_θ, FSDP2-sharded when world > 1
     task: tasks.Task                    # problems, prompts, tokenizer (task.tok), stop ids, verifier
     ref: Transformer | None = None      # π_ref, a frozen unsharded copy (β > 0 only)
+    sampler: Transformer | None = None  # the policy's weights outside FSDP (sharded or CUDA runs), for generate
 
 
 @dataclass
@@ -212,7 +213,9 @@ def build_run(cfg: Config) -> Run:
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
     stop_ids = [i for i in (tok.token_to_id(t) for t in STOP_NAMES) if i is not None]
-    return Run(cfg, proc, infra.shard(model.to(proc.device), proc), tasks.Task(cfg, tok, stop_ids))
+    model = infra.shard(model.to(proc.device), proc)  # sampling reads a refreshed plain copy when FSDP shards
+    sampler = infra.frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
+    return Run(cfg, proc, model, tasks.Task(cfg, tok, stop_ids), sampler=sampler)
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -240,9 +243,8 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([seed_of(*seed_keys, j, g) for j in mine for g in range(G)])
-    with infra.unsharded(run.model):  # every rank gathers the weights, even one with no prompts
-        ro = mine and generate(run.model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                               top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
+    ro = mine and generate(run.sampler or run.model, prompts, G, max_new_tokens, temperature=temperature,
+                           top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
     groups, (ids, mask, lp, cut) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
                                                            ro.truncated)] if mine else [None] * 4
     for a, j in enumerate(mine):
@@ -347,6 +349,7 @@ def optimizer_step(run: Run, opt) -> torch.Tensor:
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if torch.isfinite(norm):
         opt.step()
+        infra.refresh(run.sampler, run.model)  # the sampling copy, in place (the same on every rank)
     opt.zero_grad(set_to_none=True)
     return norm
 

@@ -169,17 +169,19 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One new token per row: x [B, 1, C], cos/sin [B, 1, D], bias [B·H_kv, 1, W] (0, or −inf on pads and future
-        slots), written at slot `cache.slot` (a device tensor). With one query per row SDPA's CPU kernel is slower
-        than two batched matmuls over each K/V head's group of queries."""
-        B, Hkv, D, W, at = x.shape[0], self.Hkv, self.D, bias.shape[-1], cache.slot.view(1)
-        q = apply_rope(self.q_proj(x).view(B, self.H, D), cos, sin)                  # [B, H, D]
-        cache.k[layer].index_copy_(2, at, apply_rope(self.k_proj(x).view(B, Hkv, D), cos, sin)[:, :, None])
-        cache.v[layer].index_copy_(2, at, self.v_proj(x).view(B, Hkv, 1, D))
-        k = cache.k[layer, :, :, :W].reshape(B * Hkv, W, D)                          # [B·H_kv, W, D], a view
-        v = cache.v[layer, :, :, :W].reshape(B * Hkv, W, D)
-        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), k.transpose(1, 2), alpha=D ** -0.5)
-        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(v.dtype), v)           # [B·H_kv, H/H_kv, D]
+        """One new token per row: x [B, 1, C], cos/sin [B, 1, 1, D] with sin's first half negated (RoPE as x·cos +
+        roll(x, D/2)·sin: apply_rope's arithmetic in 4 ops, not 6), bias [B·H_kv, 1, W] (0, or −inf on pads and future slots); K/V written at slot
+        `cache.slot`, a device tensor. With one query per row SDPA's CPU kernel is slower than two batched matmuls
+        over each K/V head's group of queries."""
+        B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
+        q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
+                                                             self.k_proj(x).view(B, Hkv, 1, D)))
+        kc, vc = cache.k[layer], cache.v[layer]                                      # [B, H_kv, max_len, D]
+        kc.index_copy_(2, cache.slot.view(1), k)
+        vc.index_copy_(2, cache.slot.view(1), self.v_proj(x).view(B, Hkv, 1, D))
+        kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))              # [B·H_kv, W, D], views
+        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2), alpha=D ** -0.5)
+        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(vc.dtype), vc)         # [B·H_kv, H/H_kv, D]
         return self.o_proj(y.view(B, 1, self.H * D))
 
 
@@ -273,7 +275,8 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(idx)
         if cache is not None and T == 1:  # decode: the step's RoPE rows and mask from (start, slot), on the device
             keys, slot = torch.arange(cache.width or n0 + 1, device=idx.device), cache.slot         # [W], 0-d
-            cos, sin = (t[(slot - start).clamp(min=0)[:, None]] for t in (cache.cos, cache.sin))  # [B, 1, D]
+            cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]] for t in (cache.cos, cache.sin))  # [B,1,1,D]
+            sin = torch.cat((-sin[..., :sin.shape[-1] // 2], sin[..., sin.shape[-1] // 2:]), -1)  # rotate_half's signs
             ok = (keys <= slot) & ((keys >= start[:, None]) | (keys == slot))  # no pads or future; a row sees itself
             mask = torch.zeros(B, len(keys), dtype=h.dtype, device=idx.device).masked_fill_(~ok, float("-inf"))
             mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, W] bias

@@ -38,7 +38,9 @@ GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 20m models, 64 rows, mean length ~55)
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
-CDF_BLOCK = 1024  # the inverse CDF's block: 149 blocks of a 151,936-token vocabulary
+CDF_BLOCK = 1024       # the two-level inverse CDF's block: 149 blocks (and a tail) of a 151,936 vocabulary
+TWO_LEVEL_ABOVE = {"cuda": 8192}  # device -> vocabularies above this search the CDF in two levels (never on CPU:
+                                  # one float64 cumsum measured faster there, at 4,096 and at 151,936 tokens)
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 WIDTH_STEP = 128   # static decoding: attention reads the filled slots rounded up to 128 (a graph per width)
@@ -89,22 +91,28 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
 def sample(z: torch.Tensor, u: torch.Tensor | None):
     """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
     whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
-    predecessor's); without (greedy), argmax z. The probabilities are rounded down to multiples of 2^-52 in float64,
-    so every partial sum is exact in any order: the search runs in two levels, over block sums, then inside the
-    chosen block only (no serial walk over V), and picks exactly the token a one-level cumsum search picks."""
+    predecessor's), c summed in float64; without (greedy), argmax z. For a large vocabulary on CUDA the search
+    runs in two levels, block sums then the chosen block (no serial walk over V), on probabilities rounded down to multiples
+    of 2^-52 (integers q): every partial sum is exact in any order, so it picks exactly the one-level search's token."""
     if u is None:
         tok = z.argmax(-1)
         return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
-    B, V, K = *p.shape, CDF_BLOCK
-    q = F.pad(p.double().mul_(2.0 ** 52).floor_().mul_(2.0 ** -52), (0, -V % K)).view(B, -1, K)  # [B, V/K, K]
-    sums = q.sum(-1)                                                                    # [B, V/K] block masses
+    (B, V), K = p.shape, CDF_BLOCK
+    if V <= TWO_LEVEL_ABOVE.get(z.device.type, V):
+        c = p.double().cumsum_(-1)                                                      # [B, V] float64
+        total, tok = c[:, -1], torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1: in range
+        return tok, (p.gather(-1, tok[:, None])[:, 0] / total).log().float()
+    q = p.double().mul_(2.0 ** 52).floor_()                                             # [B, V], sums < 2^53
+    n = V // K * K  # full blocks, then the tail (maybe empty)
+    sums = torch.cat((q[:, :n].view(B, -1, K).sum(-1), q[:, n:].sum(-1, keepdim=True)), 1)   # [B, V/K + 1]
     ends = sums.cumsum(-1)                                                              # c at each block's end
-    x = (u * ends[:, -1])[:, None]                                                      # [B, 1] the mass to pass
-    j = torch.searchsorted(ends, x, right=True)  # the first block whose end exceeds x (u < 1: in range)
-    c = q.gather(1, j[:, :, None].expand(B, 1, K))[:, 0].cumsum_(-1) + (ends - sums).gather(1, j)  # [B, K]
+    x = (u * ends[:, -1])[:, None]                                                      # [B, 1]
+    j = torch.searchsorted(ends, x, right=True)                                         # [B, 1] the block
+    idx = j * K + torch.arange(K, device=q.device)                                      # [B, K] its tokens
+    c = q.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0).cumsum_(-1) + (ends - sums).gather(1, j)
     tok = j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]
-    return tok, (p.gather(-1, tok[:, None])[:, 0] / ends[:, -1]).log().float()
+    return tok, (p.gather(-1, tok[:, None])[:, 0] * 2.0 ** 52 / ends[:, -1]).log().float()
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -237,7 +245,8 @@ def record(d: Decoder, logits: torch.Tensor):
     at = (d.rows, d.t.expand(len(d.rows)))
     for buf, x in zip(d.out, (tok.masked_fill(~d.live, pad_id), logp.masked_fill(~d.live, 0.0), d.live)):
         buf.index_put_(at, x)
-    d.live.logical_and_(~torch.isin(tok, d.stop))
+    if len(d.stop):
+        d.live.logical_and_(~torch.isin(tok, d.stop))
     d.tok.copy_(tok)
     d.t.add_(1)
 
@@ -315,21 +324,20 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     run = compiled_step(dev.type) if static else step
     batch_at_compaction = N
     for t in range(1, L):
-        if not static or t % CHECK_EVERY == 0:  # the host sync: every step eagerly, every CHECK_EVERY static steps
-            n_live, B = int(d.live.sum()), len(d.tok)
+        if len(d.stop) and (not static or t % CHECK_EVERY == 0):  # the host sync: every step eagerly, every
+            n_live, B = int(d.live.sum()), len(d.tok)                            # CHECK_EVERY steps statically
             if n_live == 0:
                 break
-            keep = d.live.nonzero()[:, 0]
-            if static and n_live <= B // 2 and B > MIN_BUCKET:  # 5. to a half-size (or smaller) captured batch
+            if static and n_live <= B // 2 and B > MIN_BUCKET:  # a half-size (or smaller) captured batch
                 while B // 2 >= max(n_live, MIN_BUCKET):
                     B //= 2
-                sel = torch.cat((keep, keep[:1].expand(B - n_live)))  # padding rows repeat a kept row, not live
-                pad = torch.arange(B, device=dev) >= n_live
+            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # the live rows, exactly
+                B = batch_at_compaction = n_live
+            if B < len(d.tok):  # 5. drop finished rows; a static batch pads with not-live copies of a kept row
+                keep = d.live.nonzero()[:, 0]
+                sel, pad = torch.cat((keep, keep[:1].expand(B - n_live))), torch.arange(B, device=dev) >= n_live
                 d = batch(model, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
-                                                d.noise[sel]), d, True)
-            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # 5. drop the finished rows
-                d, batch_at_compaction = batch(model, d.cache, keep, (d.tok[keep], d.live[keep], d.rows[keep],
-                                                                      d.noise[keep]), d, False), n_live
+                                                d.noise[sel]), d, static)
         if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // WIDTH_STEP) * WIDTH_STEP)
         run(model, d)

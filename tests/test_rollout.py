@@ -266,14 +266,17 @@ def test_head_log_probs_do_not_depend_on_the_chunk():
 
 def one_level(z, u):
     """The reference search: the same probabilities on the 2^-52 grid, one cumsum over the whole vocabulary."""
-    q = (z.softmax(-1).double() * 2.0 ** 52).floor() * 2.0 ** -52
-    c = q.cumsum(-1)
+    c = (z.softmax(-1).double() * 2.0 ** 52).floor().cumsum(-1)
     return torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
 
 
 @pytest.mark.parametrize("V", [5, 1024, 3000, 4096])
 def test_two_level_cdf_picks_the_one_level_token(V, monkeypatch):
-    monkeypatch.setattr(rollout, "CDF_BLOCK", 16 if V == 5 else 256)  # V = 5: a single, padded block
+    """The two-level search against one cumsum over the same rounded probabilities, for u on, just below and just
+    above every tested cumulative value: adversarial rows (all mass on one token, ties, a kept set of one, zero
+    blocks and zeros on both sides of every block edge, a tail block)."""
+    monkeypatch.setattr(rollout, "CDF_BLOCK", 16 if V == 5 else 256)  # V = 5: the tail block only
+    monkeypatch.setattr(rollout, "TWO_LEVEL_ABOVE", {"cpu": 0})  # two levels on CPU too
     torch.manual_seed(V)
     K, inf = rollout.CDF_BLOCK, float("-inf")
     rows = [torch.randn(V), torch.full((V,), inf).index_fill(0, torch.tensor([V - 1]), 0.0),  # mass in one token
@@ -284,8 +287,7 @@ def test_two_level_cdf_picks_the_one_level_token(V, monkeypatch):
     edges[(torch.arange(V) % K == 0) | (torch.arange(V) % K == K - 1) | (torch.arange(V) // K % 2 == 1)] = inf
     z = torch.stack(rows + [edges, torch.where(torch.arange(V) % 2 == 0, 0.0, inf)])          # [R, V]
     R = len(z)
-    q = (z.softmax(-1).double() * 2.0 ** 52).floor() * 2.0 ** -52
-    c = q.cumsum(-1)
+    c = (z.softmax(-1).double() * 2.0 ** 52).floor().cumsum(-1)
     # u on every cumulative value, just below and above it, and at the extremes of the uniforms
     at = (c[:, torch.linspace(0, V - 1, min(V, 40)).long()] / c[:, -1:]).T                   # [40, R]
     us = torch.cat([at, at.nextafter(torch.zeros(())), at.nextafter(torch.ones(())),

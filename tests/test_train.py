@@ -318,3 +318,46 @@ def test_process_reward_puts_each_step_reward_at_its_last_token():
     assert adv.shape == (2, 19)
     assert torch.allclose(adv[0], torch.tensor(want0), atol=1e-5)
     assert torch.allclose(adv[1, :13], torch.tensor(want1), atol=1e-5)
+
+
+REFRESH = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import infra
+from model import ModelConfig, Transformer
+proc = infra.setup("cpu", 1)
+torch.manual_seed(0)
+model = infra.shard(Transformer(ModelConfig(vocab_size=23, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                            intermediate_size=48, max_seq_len=32)), proc)
+copy = infra.frozen_copy(model, proc.device)
+before, ptrs = copy.state_dict(), [p.data_ptr() for p in copy.parameters()]
+before = {{k: v.clone() for k, v in before.items()}}
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+idx = torch.randint(0, 23, (4, 9), generator=torch.Generator().manual_seed(1))
+model(idx).logsumexp(-1).mean().backward()
+opt.step()
+infra.refresh(copy, model)
+full = infra.full_state(model, rank0_only=False)[0]
+assert ptrs == [p.data_ptr() for p in copy.parameters()], "refresh moved the copy's tensors"
+assert all(torch.equal(copy.state_dict()[k], v) for k, v in full.items()), "copy != trained weights"
+assert not any(torch.equal(before[k], v) for k, v in full.items() if "norm" not in k), "no step was taken"
+if proc.rank == 0:
+    torch.save(copy.state_dict(), sys.argv[1])
+infra.teardown()
+"""
+
+
+@pytest.mark.slow
+def test_sampling_copy_equals_the_trained_weights_at_1_and_2_ranks(tmp_path):
+    """The plain sampling copy, refreshed in place after an AdamW step of the (FSDP2-sharded at 2 gloo ranks) policy,
+    equals the full trained weights on every rank, keeps its tensors' addresses, and 2 ranks train what 1 rank does."""
+    script = tmp_path / "refresh.py"
+    script.write_text(REFRESH.format(root=ROOT))
+    for n in (1, 2):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if n == 2 \
+            else [sys.executable]
+        p = subprocess.run(launch + [str(script), str(tmp_path / f"w{n}.pt")], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    one, two = (torch.load(tmp_path / f"w{n}.pt") for n in (1, 2))
+    assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6

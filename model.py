@@ -169,10 +169,9 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One new token per row: x [B, 1, C], cos/sin [B, 1, 1, D] with sin's first half negated (RoPE as x·cos +
-        roll(x, D/2)·sin: apply_rope's arithmetic in 4 ops, not 6), bias [B·H_kv, 1, W] (0, or −inf on pads and future slots); K/V written at slot
-        `cache.slot`, a device tensor. With one query per row SDPA's CPU kernel is slower than two batched matmuls
-        over each K/V head's group of queries."""
+        """One new token per row, its K/V written at slot cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D], sin's first
+        half negated (x·cos + roll(x, D/2)·sin: apply_rope's arithmetic in 4 ops, not 6), bias [B·H_kv, 1, W]
+        (−inf: pad or future slot). One query per row: two batched matmuls per K/V head group beat SDPA on CPU."""
         B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
         q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
                                                              self.k_proj(x).view(B, Hkv, 1, D)))
@@ -212,25 +211,21 @@ class Block(nn.Module):
 class KVCache:
     """Preallocated keys/values, [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
     shared slot (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
-    first real slot. `n` counts the filled slots on the host, `slot` is the same count as a 0-d device tensor: the
-    decode step's write position. A decode step attends over the first n + 1 slots, or, with `width` set (a static
-    step: no Python int that changes per token, so CUDA graphs can capture it), over `width` slots, masked on
-    device from (start, slot); then `n` stays put. Allocated per rollout and passed into forward, never a buffer on
-    the module. Also holds the RoPE cos/sin per position."""
+    first real slot; `n` counts the filled slots on the host and `slot` on the device. A decode step attends over
+    n + 1 slots, or over `width` (a static step: no Python int changes per token), masked from (start, slot); the
+    RoPE cos/sin per position are here too. Passed into forward, never a buffer on the module."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
         self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
         self.n, self.slot, self.width = 0, torch.zeros((), dtype=torch.long, device=device), None
         self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
 
-    def write(self, layer, k, v):
-        T = k.shape[2]
-        self.k[layer, :, :, self.n:self.n + T] = k
-        self.v[layer, :, :, self.n:self.n + T] = v
-        return self.k[layer, :, :, :self.n + T], self.v[layer, :, :, :self.n + T]
+    def write(self, layer, k, v):  # a chunk at slots [n, n + T): returns the slots written so far
+        n, T = self.n, k.shape[2]
+        self.k[layer, :, :, n:n + T], self.v[layer, :, :, n:n + T] = k, v
+        return self.k[layer, :, :, :n + T], self.v[layer, :, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
         """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,

@@ -3,7 +3,7 @@
 N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
   1. Left-pad the P distinct prompts to S tokens and prefill them once into a KVCache (start = pad counts),
      keeping the last position's logits [P, V].
-  2. Repeat each prompt's cache rows and logits G times (cache.index_rows(arange(P).repeat_interleave(G))):
+  2. Repeat each prompt's cache rows and logits G times (decode.batch with rows arange(P).repeat_interleave(G)):
      a prompt is prefilled once per group, never once per sample.
   3. Each step, turn logits into the sampling distribution z = filter(logits / T): top-k, then top-p (nucleus),
      everything else −inf, the most likely token always kept. Sample x by inverting the CDF: with p ∝ exp z,
@@ -12,8 +12,12 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      never on its batch-mates or on when finished rows are dropped. (The CDF is summed in float64. Gumbel-max
      would need a hash per token of the vocabulary, V times the noise: 15% of a step at V = 4096.)
   4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is done.
-  5. When the live rows have fallen to 3/4 of the batch since the last compaction, drop the done rows from the
-     batch and the cache (a copy, so not every step); stop when no row is live or after max_new_tokens.
+     Steps 3-4 are decode.step, one function for both loops below.
+  5. Eager (the CPU default): when the live rows have fallen to 3/4 of the batch since the last compaction, drop
+     the done rows from the batch and the cache (a copy, so not every step); a host check every step. Static (the
+     CUDA default, torch.compile + CUDA graphs): done rows stay in the captured batch, masked; every CHECK_EVERY
+     steps the host looks, and once the live rows fit in half the batch, they move to a half-size (or smaller)
+     batch. Both stop when no row is live or after max_new_tokens, with the same tokens and log-probs.
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. score() is
 generate's twin on the trainer side: one causal forward over prompt + completion, the same filter_logits, so the
@@ -25,22 +29,18 @@ records log_softmax(raw logits) at it; top_k/top_p do not apply.
 """
 import argparse
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from model import KVCache
+from decode import Decoder, batch, compiled_step, filter_logits, persistent, record, sample, step  # noqa: F401
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 20m models, 64 rows, mean length ~55)
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
-CDF_BLOCK = 1024       # the two-level inverse CDF's block: 149 blocks (and a tail) of a 151,936 vocabulary
-TWO_LEVEL_ABOVE = {"cuda": 8192}  # device -> vocabularies above this search the CDF in two levels (never on CPU:
-                                  # one float64 cumsum measured faster there, at 4,096 and at 151,936 tokens)
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 WIDTH_STEP = 128   # static decoding: attention reads the filled slots rounded up to 128 (a graph per width)
@@ -86,51 +86,6 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
     """keys [B] random int64 (one per row and position) -> u [B] float64, uniform in (0, 1) from their top 52 bits
     (k + 1/2) / 2^52: never exactly 0 or 1 (with 53 bits, k + 1/2 would round up to 2^53)."""
     return (keys >> 12).bitwise_and_((1 << 52) - 1).double().add_(0.5).mul_(2.0 ** -52)
-
-
-def sample(z: torch.Tensor, u: torch.Tensor | None):
-    """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
-    whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
-    predecessor's), c summed in float64; without (greedy), argmax z. For a large vocabulary on CUDA the search
-    runs in two levels, block sums then the chosen block (no serial walk over V), on probabilities rounded down to multiples
-    of 2^-52 (integers q): every partial sum is exact in any order, so it picks exactly the one-level search's token."""
-    if u is None:
-        tok = z.argmax(-1)
-        return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
-    p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
-    (B, V), K = p.shape, CDF_BLOCK
-    if V <= TWO_LEVEL_ABOVE.get(z.device.type, V):
-        c = p.double().cumsum_(-1)                                                      # [B, V] float64
-        total, tok = c[:, -1], torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1: in range
-        return tok, (p.gather(-1, tok[:, None])[:, 0] / total).log().float()
-    q = p.double().mul_(2.0 ** 52).floor_()                                             # [B, V], sums < 2^53
-    n = V // K * K  # full blocks, then the tail (maybe empty)
-    sums = torch.cat((q[:, :n].view(B, -1, K).sum(-1), q[:, n:].sum(-1, keepdim=True)), 1)   # [B, V/K + 1]
-    ends = sums.cumsum(-1)                                                              # c at each block's end
-    x = (u * ends[:, -1])[:, None]                                                      # [B, 1]
-    j = torch.searchsorted(ends, x, right=True)                                         # [B, 1] the block
-    idx = j * K + torch.arange(K, device=q.device)                                      # [B, K] its tokens
-    c = q.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0).cumsum_(-1) + (ends - sums).gather(1, j)
-    tok = j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]
-    return tok, (p.gather(-1, tok[:, None])[:, 0] * 2.0 ** 52 / ends[:, -1]).log().float()
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """[..., V] logits -> float32 logits of the sampling distribution: logits / T, then −inf outside the top-k
-    (ties with the k-th value are kept) and outside the smallest set of most likely tokens with mass >= top_p."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits are scored in float32
-    if temperature == 0:  # greedy: the raw distribution
-        return z
-    if temperature != 1:
-        z = z / temperature
-    if 0 < top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
-    if top_p < 1:  # drop a token when the more likely tokens before it already reach top_p (the first never is)
-        zs, order = z.sort(dim=-1, descending=True)
-        p = zs.softmax(-1)
-        drop = (p.cumsum(-1) - p) >= top_p
-        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return z
 
 
 def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
@@ -221,108 +176,37 @@ def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_
             raise ValueError(msg)
 
 
-@dataclass
-class Decoder:
-    """The decode loop's state: tensors step() updates in place (a captured graph replays on the same addresses)
-    and the sampling settings, Python constants the step is specialised on."""
-    cache: KVCache
-    tok: torch.Tensor              # [B] the last sampled token
-    live: torch.Tensor             # [B] bool, no stop token yet
-    rows: torch.Tensor             # [B] output row of each batch row (N: a padding row of a bucket)
-    noise: torch.Tensor            # [B, L] float64, each row's uniform per position
-    t: torch.Tensor                # 0-d long: the position sampled next
-    out: tuple = ()                # (ids, log-probs, mask), each [N + 1, L]: shared by every batch of one call
-    stop: torch.Tensor = None      # [k] stop ids
-    settings: tuple = ()           # (temperature, top_k, top_p, pad_id)
-
-
-def record(d: Decoder, logits: torch.Tensor):
-    """3-4. Token t of every row from its logits [B, V]: filter, sample with the row's uniform u[t], write the
-    token, its log-prob and the live flag at (row, t) of the outputs (pads once the row stopped), stop check."""
-    temperature, top_k, top_p, pad_id = d.settings
-    u = d.noise.index_select(1, d.t.view(1))[:, 0] if temperature > 0 else None
-    tok, logp = sample(filter_logits(logits, temperature, top_k, top_p), u)                 # [B], [B]
-    at = (d.rows, d.t.expand(len(d.rows)))
-    for buf, x in zip(d.out, (tok.masked_fill(~d.live, pad_id), logp.masked_fill(~d.live, 0.0), d.live)):
-        buf.index_put_(at, x)
-    if len(d.stop):
-        d.live.logical_and_(~torch.isin(tok, d.stop))
-    d.tok.copy_(tok)
-    d.t.add_(1)
-
-
-def step(model, d: Decoder):
-    """One decode step of the batch: feed each row's last token, sample the next. Eager on CPU; with d.cache.width
-    set (static shapes, positions on the device, no host sync) torch.compile captures it whole in CUDA graphs."""
-    record(d, model(d.tok[:, None], d.cache)[:, -1])
-
-
-_BUFFERS = weakref.WeakKeyDictionary()  # model -> {shape: tensors}: the static batches' buffers, made once
-_COMPILED = {}                          # device type -> the compiled static step
-
-
-def compiled_step(device_type: str):
-    """torch.compile of step, made once: whole (fullgraph), in CUDA graphs on CUDA ("reduce-overhead")."""
-    if device_type not in _COMPILED:
-        _COMPILED[device_type] = torch.compile(step, fullgraph=True,
-                                               mode="reduce-overhead" if device_type == "cuda" else None)
-    return _COMPILED[device_type]
-
-
-def batch(model, cache: KVCache, sel, state: tuple, d: Decoder, static: bool) -> Decoder:
-    """A batch of B = len(sel) rows: cache rows `sel` and the per-row state (tok, live, rows, noise), [B] each.
-    Eager: new tensors, the cache rows copied; static: copied into the persistent buffers of a B-row batch, made
-    once per (B, slots, L) and marked as static addresses, so a captured graph replays on them every call."""
-    if not static:
-        return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
-    key = (len(sel), cache.k.shape[3], state[3].shape[1])
-    if key not in (bufs := _BUFFERS.setdefault(model, {})):
-        c = model.new_cache(len(sel), cache.k.shape[3])
-        bufs[key] = (c, [c.k, c.v, c.start, c.slot] + [torch.zeros_like(x) for x in (*state, d.t)])
-        for x in bufs[key][1] + [c.cos, c.sin]:
-            torch._dynamo.mark_static_address(x)
-    c, (k, v, *rest) = bufs[key]
-    torch.index_select(cache.k, 1, sel, out=k), torch.index_select(cache.v, 1, sel, out=v)
-    for dst, src in zip(rest, (cache.start[sel], cache.slot, *state, d.t)):
-        dst.copy_(src)
-    c.width = cache.width
-    return Decoder(c, *rest[2:], d.out, d.stop, d.settings)
-
-
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
              seed=None, pad_id=0, static=None) -> Rollout:
     """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows. static
-    (default: on CUDA) decodes with the captured static step, else eagerly with compaction; the tokens are equal."""
+    (default: on CUDA) runs the compiled static step, else the same step eagerly; both sample the same tokens."""
     _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     dev = model.model.embed_tokens.weight.device
     static = dev.type == "cuda" if static is None else static
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
-    W = -(-(S + L) // WIDTH_STEP) * WIDTH_STEP if static else S + L  # static: the slots in whole chunks
+    W = -(-(S + L) // WIDTH_STEP) * WIDTH_STEP if static else S + L  # cache slots (static: in whole chunks)
     seeds = row_seeds(seed, N, dev)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
-    start = torch.tensor([S - len(p) for p in prompts], device=dev)                          # [P]
-    cache = model.new_cache(P, W, start=start)
+    cache = model.new_cache(P, W, start=torch.tensor([S - len(p) for p in prompts], device=dev))
     logits = model(idx, cache, last_only=True)[:, -1]                                         # [P, V]
     cache.width = W if static else None
     # 2. G rows share each prompt's prefill; one uniform per (row, position), drawn up front: noise never depends
-    # on the batch a row is in
+    # on the batch a row is in. The outputs have a row N more, where a static batch's padding rows write.
     group, rows = torch.arange(P, device=dev).repeat_interleave(G), torch.arange(N, device=dev)   # [N], [N]
     noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))        # [N, L] float64
-    out = [torch.full((N + 1, L), v, dtype=dt, device=dev) for v, dt in [(pad_id, torch.long),
-                                                                         (0.0, torch.float32), (False, torch.bool)]]
-    if static:  # the outputs too live at fixed addresses
-        out = _BUFFERS.setdefault(model, {}).setdefault(("out", N, L), out)
-        for buf, v in zip(out, (pad_id, 0.0, False)):
-            torch._dynamo.mark_static_address(buf.fill_(v))
-    d = Decoder(cache, None, None, None, None, torch.zeros((), dtype=torch.long, device=dev), out,
-                torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev), (temperature, top_k, top_p, pad_id))
-    d = batch(model, cache, group, (rows.new_zeros(N), rows >= 0, rows, noise), d, static)
-    record(d, logits[group])                                                                 # token 0
-    run = compiled_step(dev.type) if static else step
-    batch_at_compaction = N
+    def outputs():  # ids, log-probs, mask [N + 1, L]
+        return None, [torch.empty(N + 1, L, dtype=t, device=dev) for t in (torch.long, torch.float, torch.bool)]
+    out = (persistent(model, ("out", N, L), outputs) if static else outputs())[1]
+    for buf, v in zip(out, (pad_id, 0.0, False)):
+        buf.fill_(v)
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+    d = Decoder(cache, *[None] * 4, rows.new_zeros(()), out, stop, (temperature, top_k, top_p, pad_id))  # t=0 and co.
+    d = batch(model, d, cache, group, (rows.new_zeros(N), rows >= 0, rows, noise), static)   # the N-row batch
+    record(d, logits[group])                                                                 # 3-4. token 0
+    run, batch_at_compaction = compiled_step(dev.type) if static else step, N
     for t in range(1, L):
         if len(d.stop) and (not static or t % CHECK_EVERY == 0):  # the host sync: every step eagerly, every
             n_live, B = int(d.live.sum()), len(d.tok)                            # CHECK_EVERY steps statically
@@ -336,11 +220,11 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
             if B < len(d.tok):  # 5. drop finished rows; a static batch pads with not-live copies of a kept row
                 keep = d.live.nonzero()[:, 0]
                 sel, pad = torch.cat((keep, keep[:1].expand(B - n_live))), torch.arange(B, device=dev) >= n_live
-                d = batch(model, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
-                                                d.noise[sel]), d, static)
-        if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
+                d = batch(model, d, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
+                                                   d.noise[sel]), static)
+        if static:  # attend over the filled slots rounded up to a chunk: a CUDA graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // WIDTH_STEP) * WIDTH_STEP)
-        run(model, d)
+        run(model, d)                                                                        # 3-4. token t
     ids, lp, mask = (x[:N] for x in out)
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token

@@ -3,6 +3,7 @@ frequencies of sampled tokens, and a pure-Python splitmix64."""
 import pytest
 import torch
 
+import decode
 import rollout
 from model import KVCache, ModelConfig, Transformer
 from rollout import HeadLogProbs, filter_logits, generate, mix64, pad_batch, sample, score, uniform
@@ -275,10 +276,10 @@ def test_two_level_cdf_picks_the_one_level_token(V, monkeypatch):
     """The two-level search against one cumsum over the same rounded probabilities, for u on, just below and just
     above every tested cumulative value: adversarial rows (all mass on one token, ties, a kept set of one, zero
     blocks and zeros on both sides of every block edge, a tail block)."""
-    monkeypatch.setattr(rollout, "CDF_BLOCK", 16 if V == 5 else 256)  # V = 5: the tail block only
-    monkeypatch.setattr(rollout, "TWO_LEVEL_ABOVE", {"cpu": 0})  # two levels on CPU too
+    monkeypatch.setattr(decode, "CDF_BLOCK", 16 if V == 5 else 256)  # V = 5: the tail block only
+    monkeypatch.setattr(decode, "TWO_LEVEL_ABOVE", {"cpu": 0})  # two levels on CPU too
     torch.manual_seed(V)
-    K, inf = rollout.CDF_BLOCK, float("-inf")
+    K, inf = decode.CDF_BLOCK, float("-inf")
     rows = [torch.randn(V), torch.full((V,), inf).index_fill(0, torch.tensor([V - 1]), 0.0),  # mass in one token
             torch.zeros(V), torch.randn(V).round(),                                          # ties everywhere
             torch.full((V,), inf).index_fill(0, torch.tensor([0]), 3.0),                     # a kept set of one
@@ -306,7 +307,7 @@ def static_sizes(monkeypatch):
     buckets halve down to 2 rows, the host looks every 3 steps."""
     sizes = []
     monkeypatch.setattr(rollout, "compiled_step", lambda device_type: lambda m, d: sizes.append(len(d.tok)) or
-                        rollout.step(m, d))
+                        decode.step(m, d))
     monkeypatch.setattr(rollout, "MIN_BUCKET", 2)
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
     return sizes
@@ -336,12 +337,12 @@ def test_static_step_compiles_to_one_graph(monkeypatch):
     (backend "eager": dynamo's graph without inductor, seconds on CPU) samples what the eager path samples."""
     m, seen = tiny(), []
     torch._dynamo.reset()
-    compiled = torch.compile(rollout.step, fullgraph=True, dynamic=True, backend="eager")
+    compiled = torch.compile(decode.step, fullgraph=True, dynamic=True, backend="eager")
 
     def run(model, d):  # explain runs the step it traces: the first step is explain's
         if seen:
             return compiled(model, d)
-        seen.append(torch._dynamo.explain(rollout.step)(model, d))
+        seen.append(torch._dynamo.explain(decode.step)(model, d))
         torch._dynamo.reset()  # else the compiled step would reuse explain's cached code, unchecked for breaks
     monkeypatch.setattr(rollout, "compiled_step", lambda device_type: run)
     monkeypatch.setattr(rollout, "MIN_BUCKET", 2)

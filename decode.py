@@ -103,7 +103,7 @@ def step(model, d: Decoder):
     record(d, model(d.tok[:, None], d.cache)[:, -1])
 
 
-_BUFFERS = weakref.WeakKeyDictionary()  # model -> {key: (KVCache or None, tensors)} of static batches, made once
+_BUFFERS = weakref.WeakKeyDictionary()  # model -> {(B, L) or ("out", N, L): (KVCache or None, tensors)}
 _COMPILED = {}                          # device type -> the compiled step
 
 
@@ -116,10 +116,11 @@ def compiled_step(device_type: str):
     return _COMPILED[device_type]
 
 
-def persistent(model, key, make):
-    """make() -> (cache or None, tensors), once per (model, key); the tensors marked as static addresses."""
+def persistent(model, key, make, slots=None):
+    """make() -> (cache or None, tensors), once per (model, key) and cache slot count; the tensors marked as static
+    addresses. A batch size keeps one set: made again only when a longer prompt needs more slots."""
     bufs = _BUFFERS.setdefault(model, {})
-    if key not in bufs:
+    if key not in bufs or slots and bufs[key][0].k.shape[3] != slots:
         bufs[key] = make()
         for x in bufs[key][1]:
             torch._dynamo.mark_static_address(x)
@@ -129,14 +130,14 @@ def persistent(model, key, make):
 def batch(model, d: Decoder, cache, sel: torch.Tensor, state: tuple, static: bool) -> Decoder:
     """A batch of B = len(sel) rows: the cache rows `sel`, the per-row state (tok, live, rows, noise), d's t, outputs
     and settings. Eager: new tensors (a copy of the kept cache rows); static: copied into the persistent tensors of
-    a B-row batch of that many slots and new tokens."""
+    a B-row batch (per B and number of new tokens)."""
     if not static:
         return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
 
     def make():
         c = model.new_cache(len(sel), cache.k.shape[3])
         return c, [c.k, c.v, c.start, c.slot, c.cos, c.sin] + [torch.zeros_like(x) for x in (*state, d.t)]
-    c, (k, v, *rest) = persistent(model, (len(sel), cache.k.shape[3], state[3].shape[1]), make)
+    c, (k, v, *rest) = persistent(model, (len(sel), state[3].shape[1]), make, cache.k.shape[3])
     torch.index_select(cache.k, 1, sel, out=k), torch.index_select(cache.v, 1, sel, out=v)
     for dst, src in zip(rest[:2] + rest[4:], (cache.start[sel], cache.slot, *state, d.t)):
         dst.copy_(src)

@@ -120,7 +120,7 @@ def persistent(model, key, make, slots=None):
     """make() -> (cache or None, tensors), once per (model, key) and cache slot count; the tensors marked as static
     addresses. A batch size keeps one set: made again only when a longer prompt needs more slots."""
     bufs = _BUFFERS.setdefault(model, {})
-    if key not in bufs or slots and bufs[key][0].k.shape[3] != slots:
+    if key not in bufs or slots and len(bufs[key][0].cos) != slots:
         bufs[key] = make()
         for x in bufs[key][1]:
             torch._dynamo.mark_static_address(x)
@@ -135,10 +135,12 @@ def batch(model, d: Decoder, cache, sel: torch.Tensor, state: tuple, static: boo
         return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
 
     def make():
-        c = model.new_cache(len(sel), cache.k.shape[3])
-        return c, [c.k, c.v, c.start, c.slot, c.cos, c.sin] + [torch.zeros_like(x) for x in (*state, d.t)]
-    c, (k, v, *rest) = persistent(model, (len(sel), state[3].shape[1]), make, cache.k.shape[3])
-    torch.index_select(cache.k, 1, sel, out=k), torch.index_select(cache.v, 1, sel, out=v)
+        c = model.new_cache(len(sel), len(cache.cos))
+        return c, c.k + c.v + [c.start, c.slot, c.cos, c.sin] + [torch.zeros_like(x) for x in (*state, d.t)]
+    c, bufs = persistent(model, (len(sel), state[3].shape[1]), make, len(cache.cos))
+    for dst, src in zip(bufs, cache.k + cache.v):  # the kept rows' keys and values, layer by layer
+        torch.index_select(src, 0, sel, out=dst)
+    rest = bufs[2 * len(cache.k):]  # start, slot, cos, sin, then tok, live, rows, noise, t
     for dst, src in zip(rest[:2] + rest[4:], (cache.start[sel], cache.slot, *state, d.t)):
         dst.copy_(src)
     c.width = cache.width

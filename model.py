@@ -176,8 +176,7 @@ class Attention(nn.Module):
         q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
                                                              self.k_proj(x).view(B, Hkv, 1, D)))
         kc, vc = cache.k[layer], cache.v[layer]                                      # [B, H_kv, max_len, D]
-        kc.index_copy_(2, cache.slot.view(1), k)
-        vc.index_copy_(2, cache.slot.view(1), self.v_proj(x).view(B, Hkv, 1, D))
+        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = k, self.v_proj(x).view(B, Hkv, 1, D)
         kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))              # [B·H_kv, W, D], views
         att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2), alpha=D ** -0.5)
         y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(vc.dtype), vc)         # [B·H_kv, H/H_kv, D]
@@ -216,22 +215,22 @@ class KVCache:
     RoPE cos/sin per position are here too. Passed into forward, never a buffer on the module."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in range(2))
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # a tensor per layer: a compiled step writes in place
+        self.k, self.v = ([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)] for _ in "kv")
         self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
         self.n, self.slot, self.width = 0, torch.zeros((), dtype=torch.long, device=device), None
         self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
 
     def write(self, layer, k, v):  # a chunk at slots [n, n + T): returns the slots written so far
         n, T = self.n, k.shape[2]
-        self.k[layer, :, :, n:n + T], self.v[layer, :, :, n:n + T] = k, v
-        return self.k[layer, :, :, :n + T], self.v[layer, :, :, :n + T]
+        self.k[layer][:, :, n:n + T], self.v[layer][:, :, n:n + T] = k, v
+        return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
         """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,
         a subset drops finished rows. Advanced indexing copies, so the result owns its memory."""
         new = KVCache.__new__(KVCache)
-        new.k, new.v, new.start = self.k[:, rows], self.v[:, rows], self.start[rows]
+        new.k, new.v, new.start = [k[rows] for k in self.k], [v[rows] for v in self.v], self.start[rows]
         new.n, new.slot, new.width, new.cos, new.sin = self.n, self.slot.clone(), self.width, self.cos, self.sin
         return new
 

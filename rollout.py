@@ -189,7 +189,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     N, S = P * G, max(map(len, prompts))
     W = -(-(S + L) // WIDTH_STEP) * WIDTH_STEP if static else S + L  # cache slots (static: in whole chunks, and
     if static:  # as many as any static batch of this model and L has: one set of buffers per batch size)
-        W = max([W] + [c.k.shape[3] for key, (c, _) in decode._BUFFERS.get(model, {}).items() if key[-1] == L and c])
+        W = max([W] + [len(c.cos) for key, (c, _) in decode._BUFFERS.get(model, {}).items() if key[-1] == L and c])
     seeds = row_seeds(seed, N, dev)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]

@@ -44,7 +44,8 @@ COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 2
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
-WIDTH_STEP = 128   # static decoding: attention reads the filled slots rounded up to 128 (a graph per width)
+WIDTH_STEP = {"cuda": 128}  # static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA
+                            # graph per width), exactly the filled slots elsewhere (no graphs to record)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -187,7 +188,8 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     static = dev.type == "cuda" if static is None else static
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
-    W = -(-(S + L) // WIDTH_STEP) * WIDTH_STEP if static else S + L  # cache slots (static: in whole chunks, and
+    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
+    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks, and
     if static:  # as many as any static batch of this model and L has: one set of buffers per batch size)
         W = max([W] + [len(c.cos) for key, (c, _) in decode._BUFFERS.get(model, {}).items() if key[-1] == L and c])
     seeds = row_seeds(seed, N, dev)
@@ -226,7 +228,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 d = batch(model, d, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
                                                    d.noise[sel]), static)
         if static:  # attend over the filled slots rounded up to a chunk: a CUDA graph per (batch, width)
-            d.cache.width = min(W, -(-(S + t) // WIDTH_STEP) * WIDTH_STEP)
+            d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
         run(model, d)                                                                        # 3-4. token t
     ids, lp, mask = (x[:N] for x in out)
     lengths = mask.sum(1)

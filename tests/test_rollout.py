@@ -304,12 +304,14 @@ def test_two_level_cdf_picks_the_one_level_token(V, monkeypatch):
 @pytest.fixture
 def static_sizes(monkeypatch):
     """The static step run as plain PyTorch (its shapes and arithmetic, no compiler): the batch size of each call;
-    buckets halve down to 2 rows, the host looks every 3 steps."""
+    buckets halve down to 2 rows, the host looks every 3 steps, attention reads slots in chunks of 8 as on CUDA
+    (the slots past the filled ones: masked, and stale after a first call)."""
     sizes = []
     monkeypatch.setattr(rollout, "compiled_step", lambda device_type: lambda m, d: sizes.append(len(d.tok)) or
                         decode.step(m, d))
     monkeypatch.setattr(rollout, "MIN_BUCKET", 2)
     monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
+    monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})
     return sizes
 
 

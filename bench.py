@@ -13,7 +13,7 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
   2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
   20m: hidden 384, 12 layers, 6 heads / 2 KV heads of 64, FFN 1024  20.4M parameters
 
-  python bench.py --size 2m                 python bench.py --size 20m --repeats 2
+  python bench.py --size 2m                 python bench.py --size 20m --repeats 2 --static   (+ the compiled step)
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
 
 --device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped model in
@@ -31,6 +31,7 @@ long and adversarial texts), one thread, and, if math-verify is importable (not 
 agreement with ours on the same mix:  python bench.py --verify
 """
 import argparse
+import itertools
 import json
 import resource
 import subprocess
@@ -147,6 +148,7 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
+p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
 p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
 p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
 p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
@@ -227,8 +229,7 @@ def bench_gpu(S=256, L=512, G=8):
             + f"; captured / eager {best['eager'] / best['captured']:.1f}x")
     counters = torch._dynamo.utils.counters  # a skipped CUDA graph or a graph break would show here
     print(f"graph breaks: {dict(counters['graph_break'])}, CUDA graph skips: {counters['inductor']['cudagraph_skips']}")
-    # the preset's RL step on one GPU of 8 (P / 8 prompts x G, max_new_tokens without a stop: the longest case) with
-    # train.py's pieces: FSDP2 bf16 compute on a 1-rank group, its micro-batches, AdamW, the sampling copy refreshed
+    # the preset's RL step on one GPU of 8 with train.py's pieces (FSDP2 on a 1-rank group, AdamW, the copy refreshed)
     rl, proc = train.parse_args(["--config", "configs/qwen2.5-0.5b-gsm8k.toml"]), infra.setup("cuda")
     with torch.device(dev):
         run = train.Run(rl, proc, infra.shard(Transformer(ModelConfig(**QWEN05)), proc), None)
@@ -259,17 +260,17 @@ model = model.to(dev, dtype).eval()
 cfg = model.config
 n_params = sum(t.numel() for t in model.parameters())
 settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
-gen = torch.Generator().manual_seed(0)
-S = args.prompt_len
+gen, S = torch.Generator().manual_seed(0), args.prompt_len
 results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
            "threads": args.threads, "prompt_len": S}
 
 # -------------------------------------------------------------------- the timed jobs: name -> (fn, tokens)
 jobs = {}
-for P, G, new in settings:
+for i, (P, G, new) in enumerate(settings):
     prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
-    for T in (0.0, 1.0):
-        jobs[f"ours {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T, seed=0), P * G * new)
+    for T, static in itertools.product((0.0, 1.0), (False, True) if args.static and i == 0 else (False,)):
+        jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T,
+                                                                     seed=0, static=static), P * G * new)
 P, G, new = settings[0]
 N = P * G
 prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)

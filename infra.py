@@ -5,7 +5,7 @@
   2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the run's DEVICE
      (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
-     computes as eight do); frozen_copy / refresh: plain copies of the full weights (π_ref, the sampling weights).
+     computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily).
   4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
   5. Logger: a console line with an ETA, metrics.jsonl (one flat JSON object per line), W&B, the final table.
 """
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model import Transformer
 
@@ -113,11 +113,26 @@ def frozen_copy(model, device) -> Transformer:
     return ref.requires_grad_(False).eval()
 
 
-def refresh(copy, model):
+def refresh(copy, model, lazy=False):
     """copy ← model's full weights (every rank all-gathers), in place: a CUDA graph captured on copy's tensors reads
-    the new weights at the same addresses. A no-op without a copy."""
-    if copy is not None:
+    the new weights at the same addresses. lazy (an optimizer step, a reset): only mark the copy stale, sampling()
+    gathers once before the next rollout, not after every SFT step. A no-op without a copy."""
+    if copy is not None and not lazy:
         copy.load_state_dict(full_state(model, rank0_only=False)[0])
+    if copy is not None:
+        copy.stale = lazy
+
+
+def sampling_copy(model, proc: Proc) -> Transformer | None:
+    """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None: sample `model`."""
+    return frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
+
+
+def sampling(copy, model):
+    """generate's module: `model`, or its copy, re-gathered if stale (every rank calls: all gather or none does)."""
+    if copy is not None and copy.stale:
+        refresh(copy, model)
+    return model if copy is None else copy
 
 
 def load_optimizer(model, opt, sd: dict):
@@ -144,16 +159,15 @@ def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
-                    ref=None, keep: int = 0):
-    """out_dir/step_N/: `model`'s HF folder, trainer_state.pt, ref_model.pt; keeps the newest `keep` (0: all)."""
+                    ref=None, keep: int = 0, dtype=None):
+    """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the source folder's; its
+    tokenizer and generation files, else `tokenizer`), trainer_state.pt ({"optimizer": ..., **trainer_state}) and
+    ref_model.pt when a reference model is given; keeps the newest `keep` checkpoints (0: all)."""
     model_sd, opt_sd = full_state(model, opt)
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
-        with torch.device("meta"):
-            m = Transformer(model.config)
-        m.load_state_dict({k: v.detach().cpu() for k, v in model_sd.items()}, assign=True)
-        m.save_pretrained(tmp, tokenizer=tokenizer)
+        model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)  # sharded or not
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
         torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))

@@ -1,5 +1,6 @@
 """A decoder-only transformer of the Llama / Qwen2 family in plain PyTorch, with a preallocated KV cache and
-Hugging Face-format checkpoint folders (config.json + model.safetensors + tokenizer.json) both ways.
+Hugging Face-format checkpoint folders both ways (config.json + model.safetensors in the source dtype; the source
+folder's tokenizer, chat template and generation files carried over byte for byte).
 
 The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
   1. h = embed_tokens[idx]                                                        [B, T, C]
@@ -17,16 +18,18 @@ Module names are Hugging Face's, so state_dict() keys are checkpoint tensor name
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")
+# the files of a source folder that step_N/ does NOT carry over: weights, config.json (rewritten), model cards, dotfiles
+NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5",
+               "*.msgpack", "README.md", ".*")
 
 
 @dataclass
@@ -69,16 +72,19 @@ def config_from_hf(d: dict, where: str) -> ModelConfig:
     mt = d.get("model_type")
     if mt not in ("llama", "qwen2"):
         raise ValueError(f"{where}: model_type {mt!r} is not supported (expected 'llama' or 'qwen2')")
-    missing = [k for _, k in HF_KEYS if k not in d]
-    if missing:
+    if missing := [k for _, k in HF_KEYS if k not in d]:
         raise KeyError(f"{where}: missing config key(s) {missing}")
     kw = {ours: d[theirs] for ours, theirs in HF_KEYS}
     rope = d.get("rope_parameters") or {}                 # transformers >= 5 nests the RoPE settings here
     scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "llama3"):
         raise ValueError(f"{where}: rope scaling {scaling!r} is not supported (only 'llama3')")
-    if d.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    n, win = d["num_hidden_layers"], d.get("sliding_window") or 0  # Qwen2: layers >= max_window_layers slide
+    layers = d.get("layer_types") or ["sliding_attention"] * (n - min(n, d.get("max_window_layers", 28)))
+    if d.get("use_sliding_window") and 0 < win < d["max_position_embeddings"] and "sliding_attention" in layers:
+        raise ValueError(f"{where}: sliding-window attention (window {win} on some layers) is not supported")
+    if bad := [k for k in ("attention_dropout", "quantization_config") if d.get(k)]:
+        raise ValueError(f"{where}: {', '.join(bad)} not supported (attention dropout must be 0, weights unquantized)")
     if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: only a bias-free SwiGLU MLP (hidden_act 'silu', mlp_bias false) is supported")
     bias = mt == "qwen2" or bool(d.get("attention_bias", False))
@@ -96,7 +102,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
          "hidden_act": "silu", "use_cache": True, **cfg.extra}
     d.update({theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS})
     d.update(model_type=cfg.model_type, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-             rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, torch_dtype=str(dtype)[6:])
+             rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+             **dict.fromkeys(("torch_dtype", "dtype"), str(dtype)[6:]))  # transformers < 4.56 reads the first
     if cfg.rope_scaling:
         d["rope_scaling"] = cfg.rope_scaling
     if cfg.model_type == "llama":
@@ -244,7 +251,7 @@ class Transformer(nn.Module):
         self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.source_dir = None  # the folder this was loaded from: save_pretrained copies its tokenizer files
+        self.source_files, self.source_dtype = {}, None  # of the folder this came from: save_pretrained keeps them
         self.apply(self._init_weights)
 
     def _init_weights(self, m):  # GPT-2 style: N(0, 0.02), zero bias; RMSNorm weights stay 1
@@ -302,7 +309,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
         """Load a Hugging Face folder (config.json, model.safetensors or a sharded index). Checks every tensor's
-        name and shape before loading anything; errors name the file and the key or tensor."""
+        name and shape before loading anything; errors name the file and the key or tensor. Keeps the folder's
+        stored dtype and its other files (tokenizer, chat template, generation config) for save_pretrained."""
         cfg = read_config(path)
         with torch.device("meta"):
             model = cls(cfg)
@@ -317,47 +325,41 @@ class Transformer(nn.Module):
                 if t.shape != expected[k]:
                     raise ValueError(f"{os.path.join(path, fname)}: tensor {k!r} has shape {tuple(t.shape)}, "
                                      f"config.json implies {tuple(expected[k])}")
-                sd[k] = t.to(dtype) if dtype is not None else t
-        missing = sorted(set(expected) - set(sd))
-        if missing:
+                sd[k], model.source_dtype = t.to(dtype) if dtype is not None else t, t.dtype
+        if missing := sorted(set(expected) - set(sd)):
             raise KeyError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         model.load_state_dict(sd, strict=True, assign=True)
-        model.source_dir = str(path)
+        files = [*Path(path).iterdir(), *Path(path, "additional_chat_templates").glob("*")]  # not Llama's original/
+        model.source_files = {f.relative_to(path).as_posix(): f.read_bytes() for f in files  # small: no weights
+                              if f.is_file() and not any(fnmatch(f.name, p) for p in NOT_CARRIED)}
         return model.to(device) if device is not None else model
 
-    def save_pretrained(self, path, tokenizer=None):
-        """Write config.json + model.safetensors with Hugging Face names, and the tokenizer: `tokenizer` (a
-        tokenizers.Tokenizer) if given, else the tokenizer files of the folder this model was loaded from."""
+    def save_pretrained(self, path, tokenizer=None, dtype=None, state_dict=None):
+        """Write config.json + model.safetensors (Hugging Face names; `state_dict` or the model's own) in `dtype`, by
+        default the dtype of the folder this model was loaded from (else its parameters'), then that folder's other
+        files byte for byte (tokenizer, chat template, generation config), or `tokenizer` (a tokenizers.Tokenizer)."""
         os.makedirs(path, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        dtype = next(iter(sd.values())).dtype
+        dtype = dtype or self.source_dtype or next(self.parameters()).dtype
+        sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config_to_hf(self.config, dtype), f, indent=2)
-        if tokenizer is not None:
+        Path(path, "config.json").write_text(json.dumps(config_to_hf(self.config, dtype), indent=2))
+        for name, data in self.source_files.items():
+            Path(path, name).parent.mkdir(exist_ok=True)
+            Path(path, name).write_bytes(data)
+        if tokenizer is not None and not self.source_files:
             save_tokenizer(tokenizer, path)
-        elif self.source_dir and os.path.abspath(self.source_dir) != os.path.abspath(path):
-            for name in TOKENIZER_FILES:
-                if os.path.exists(os.path.join(self.source_dir, name)):
-                    shutil.copy(os.path.join(self.source_dir, name), os.path.join(path, name))
 
 
 def read_config(path) -> ModelConfig:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
-    fname = os.path.join(path, "config.json")
-    if not os.path.exists(fname):
-        raise FileNotFoundError(f"{fname} is missing")
-    with open(fname) as f:
-        return config_from_hf(json.load(f), fname)
+    if not (fname := Path(path, "config.json")).is_file():
+        raise FileNotFoundError(f"{fname} is missing" if Path(path).is_dir() else f"no checkpoint folder {path!r}")
+    return config_from_hf(json.loads(fname.read_text()), str(fname))
 
 
 def _weight_files(path) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
+    if (index := Path(path, "model.safetensors.index.json")).is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if not Path(path, "model.safetensors").is_file():
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
     return ["model.safetensors"]
 
@@ -382,18 +384,19 @@ def build_char_tokenizer(chars: str):
 
 
 def save_tokenizer(tok, path):
-    """tokenizer.json plus a tokenizer_config.json so transformers' AutoTokenizer loads the folder too."""
+    """tokenizer.json, and for our char-level tokenizer a tokenizer_config.json that transformers' AutoTokenizer loads
+    and a generation_config.json with its bos/eos/pad ids."""
     tok.save(os.path.join(path, "tokenizer.json"))
-    specials = {f"{s[1:-1]}_token": s for s in SPECIALS if tok.token_to_id(s) is not None}
-    if specials and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **specials}, f, indent=2)
+    ids = {s[1:-1]: tok.token_to_id(s) for s in SPECIALS if tok.token_to_id(s) is not None}  # pad, bos, eos
+    if ids:
+        Path(path, "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", **{f"{k}_token": f"<{k}>" for k in ids}}, indent=2))
+        Path(path, "generation_config.json").write_text(json.dumps({f"{k}_token_id": i for k, i in ids.items()}))
 
 
 def load_tokenizer(path):
     from tokenizers import Tokenizer
-    fname = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(fname):
+    if not (fname := Path(path, "tokenizer.json")).is_file():
         raise FileNotFoundError(f"{fname} is missing")
-    return Tokenizer.from_file(fname)
+    return Tokenizer.from_file(str(fname))
 

@@ -103,8 +103,8 @@ def _chunk_log_softmax(h, w, temperature, top_k, top_p):
 
 class HeadLogProbs(torch.autograd.Function):
     """log π(target) [M] and entropy [M] of π = filter(h Wᵀ / T) for M hidden states h [M, C], `chunk` rows at a
-    time. Backward recomputes each chunk's logits, so one [chunk, V] block is alive at a time, never [M, V]:
-    with z = logits / T, ∂ log π(t) / ∂z = onehot(t) − π on the kept set, and ∂z / ∂logits = 1/T (1 at T = 0)."""
+    time. Backward recomputes each chunk's logits, so one [chunk, V] block is alive at a time, never [M, V]: with
+    z = logits / T, ∂ log π(t) / ∂z = onehot(t) − π on the kept set, and ∂z / ∂logits = 1/T (1 at T = 0)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, temperature, top_k, top_p, chunk):

@@ -171,8 +171,9 @@ def main(cfg: StarConfig) -> dict:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {run.proc.world}, device {run.proc.device}, "
               f"algo {stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune", flush=True)
     # ---------------------------------------------------------------------------- step 0: cold start
-    sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids)  # train_size bounds
-    opt, sched = train.make_optimizer(run, cfg.sft_lr, cfg.sft_steps)                     # the pool, not this
+    # train_size bounds the pool of step 1, not the cold start
+    sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids, run.task.tok_config)
+    opt, sched = train.make_optimizer(run, cfg.sft_lr, cfg.sft_steps)
     for step in range(1, cfg.sft_steps + 1):
         logger.log(step, "sft", train.sft_update(run, opt, sched, *cold_start_batch(run, sft_task, state)))
     step = cfg.sft_steps
@@ -182,7 +183,7 @@ def main(cfg: StarConfig) -> dict:
     n_pool = cfg.train_size if cfg.train_size > 0 else len(run.task.train)
     pool = [run.task.problem("rl", i) for i in range(n_pool)]
     # ---------------------------------------------------------------------------- steps 1-4: iterations
-    t_start = time.time()
+    trained = 0.0  # seconds spent sampling and fine-tuning: the budget rl_minutes counts no evaluation
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
         data, stats = collect(run, pool, it)
@@ -191,7 +192,7 @@ def main(cfg: StarConfig) -> dict:
             with torch.no_grad():
                 for p, b in zip(run.model.parameters(), base):
                     p.copy_(b)
-            infra.refresh(run.sampler, run.model)
+            infra.refresh(run.sampler, run.model, lazy=True)  # M_0 again: sampling re-gathers it
         opt, sched = train.make_optimizer(run, cfg.expert_lr, cfg.expert_sft_steps)
         losses = []
         for s, idx in enumerate(batches(cfg, len(data), it)):
@@ -203,11 +204,13 @@ def main(cfg: StarConfig) -> dict:
         if run.proc.rank == 0:
             print(f"iteration {it}: " + " ".join(f"{k[7:]} {v:.3f}" for k, v in stats.items()) +
                   f" | sample {t1 - t0:.1f}s, fine-tune {time.time() - t1:.1f}s", flush=True)
+        trained += time.time() - t0
         results[stage] = train.evaluate(run, step, logger)
         logger.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
-                                 "train/loss_mean": sum(losses) / max(1, len(losses)), **results[stage]})
+                                 "train/loss_mean": sum(losses) / max(1, len(losses)), "time/trained_s": trained,
+                                 **results[stage]})
         train.save(run, state, step, stage, opt, sched)
-        if infra.any_rank(0 < cfg.rl_minutes < (time.time() - t_start) / 60):  # RL's time budget
+        if infra.any_rank(0 < cfg.rl_minutes < trained / 60):  # RL's time budget
             break
     return logger.finish(results)
 

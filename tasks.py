@@ -13,25 +13,27 @@
 3. Determinism: problem (seed, index) comes from its own random.Random seeded with the string
    "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so problem i never
    depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
-4. load_gsm8k / load_math read JSONL files; render_prompt wraps a question in a template.
+4. load_gsm8k / load_math read JSONL files; render_prompt wraps a question in a template; Task.chat renders it
+   through the checkpoint's chat template as transformers' apply_chat_template(..., add_generation_prompt=True) does.
 5. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
    prompts as token ids, its cold-start targets and the verifier's score of a completion. seed_of(*keys) hashes
    integers into a seed that is the same on any number of ranks.
 
-CHARS holds every character an arithmetic or countdown prompt or solution can contain (a char-level vocabulary).
-
 Tests: python -m pytest -q tests/test_tasks.py
 """
+import functools
 import json
 import random
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from fractions import Fraction
+from pathlib import Path
 
 import verify
 from verify import MAX_EXPR, eval_arith, extract_answer
 
-CHARS = "0123456789+-*/()=;#> "
+CHARS = "0123456789+-*/()=;#> "  # every character a synthetic prompt or solution can hold: a char-level vocabulary
 
 
 @dataclass
@@ -54,12 +56,34 @@ def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_op
         for _ in range(20):
             op = rng.choice(ops)
             b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
-            new = value + b if op == "+" else value - b if op == "-" else value * b
+            new = _apply(value, op, b)
             if not max_value or abs(new) <= max_value:
                 break
         steps.append(f"{value}{op}{b}={new}")
         prompt, value = prompt + f"{op}{b}", new
     return Problem(prompt=prompt + "=", gold=str(value), solution=";".join(steps) + f" #### {value}", level=n_ops)
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+FLAWS = ("random", "sign")
+
+
+def flawed_solution(p: Problem, flaw: str, rng: random.Random) -> str:
+    """A sloppy teacher's worked solution of an arithmetic chain, each error carried on to the final answer as a
+    careless solver would: random, one step (drawn by rng) off by ±1..3, a slip; sign, every negative result
+    written without its minus sign ("3-7=4"), a consistent misconception. Chains without a negative result stay
+    right under sign."""
+    nums, ops = [int(n) for n in re.findall(r"\d+", p.prompt)], re.findall(r"[-+*]", p.prompt)
+    value, steps, slip, offset = nums[0], [], rng.randrange(len(ops)), rng.choice((-3, -2, -1, 1, 2, 3))
+    for i, (op, b) in enumerate(zip(ops, nums[1:])):
+        new = _apply(value, op, b)
+        new = abs(new) if flaw == "sign" else new + offset * (i == slip)
+        steps.append(f"{value}{op}{b}={new}")
+        value = new
+    return ";".join(steps) + f" #### {value}"
 
 
 def countdown(seed: int, index: int, n_numbers: int = 3, max_number: int = 25) -> Problem:
@@ -120,9 +144,8 @@ def _read_jsonl(path, keys: tuple[str, ...]):
                 raise ValueError(f"{where}: bad JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            for key in keys:
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{where}: missing string field {key!r}")
+            if missing := [key for key in keys if not isinstance(record.get(key), str)]:
+                raise ValueError(f"{where}: missing string field {missing[0]!r}")
             yield where, record
 
 
@@ -170,6 +193,41 @@ def render_prompt(question: str, template: str = "plain") -> str:
     return TEMPLATES[template].format(question=question)
 
 
+def read_tokenizer_config(folder) -> dict:
+    """tokenizer_config.json as transformers reads it (chat_template.jinja wins over its key) plus "special_tokens"
+    ({"bos_token": "<s>", ...}), "eos_ids" (generation_config.json's eos_token_id, int or list), "name_or_path"."""
+    tc, tmap, gen = (json.loads(p.read_text("utf-8")) if (p := Path(folder, name)).is_file() else {}
+                     for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"))
+    d = {**tc, **({} if "added_tokens_decoder" in tc else tmap), "name_or_path": str(folder)}
+    if (jinja := Path(folder, "chat_template.jinja")).is_file():
+        d["chat_template"] = jinja.read_text("utf-8")
+    if isinstance(t := d.get("chat_template"), list):  # the older list of named templates: transformers takes "default"
+        d["chat_template"] = {x["name"]: x["template"] for x in t}.get("default")
+    d["special_tokens"] = {k: v["content"] if isinstance(v, dict) else v  # transformers' SPECIAL_TOKENS_ATTRIBUTES
+                           for k in [f"{n}_token" for n in "bos eos unk sep pad cls mask".split()] if (v := d.get(k))}
+    eos = gen.get("eos_token_id")
+    return {**d, "eos_ids": [eos] if isinstance(eos, int) else list(eos or [])}
+
+
+@functools.lru_cache(maxsize=8)
+def chat_template(source: str):
+    """A jinja2 chat template set up as transformers' apply_chat_template sets it up: sandboxed, trim_blocks and
+    lstrip_blocks, loop controls, raise_exception, strftime_now, tojson. transformers renders it with messages,
+    tools=None, documents=None, add_generation_prompt and the tokenizer's special tokens as variables."""
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    # transformers' {% generation %} tag only records where assistant text is: a block tag that renders its body
+    return env.from_string(re.sub(r"(\{%-?\s*)(end)?generation(\s*-?%\})",
+                                  lambda m: m[1] + ("endif" if m[2] else "if true") + m[3], source))
+
+
 def seed_of(*keys) -> int:
     """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any rank count."""
     h = 0x9E3779B97F4A7C15
@@ -181,16 +239,23 @@ def seed_of(*keys) -> int:
 
 class Task:
     """Problems by index, prompts as token ids, cold-start targets, and the verifier's score of a completion.
-    cfg is any object with train.Config's task fields; tok a tokenizers.Tokenizer; stop_ids end a completion."""
+    cfg has train.Config's task fields; tok is a tokenizers.Tokenizer; stop_ids end a completion; tok_config (from
+    read_tokenizer_config) holds the chat template that template = "chat" renders."""
 
-    def __init__(self, cfg, tok, stop_ids: list[int]):
-        self.cfg, self.tok, self.stop_ids = cfg, tok, list(stop_ids)
+    def __init__(self, cfg, tok, stop_ids: list[int], tok_config: dict | None = None):
+        self.cfg, self.tok, self.stop_ids, self.tok_config = cfg, tok, list(stop_ids), tok_config or {}
         if not self.stop_ids:
             raise ValueError("the tokenizer has no end-of-sequence token")
+        if cfg.template == "chat" and not self.tok_config.get("chat_template"):
+            raise SystemExit(f"error: template = 'chat', but {self.tok_config.get('name_or_path', 'a fresh model')} has"
+                             " no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        if cfg.system_prompt and cfg.template != "chat":
+            raise SystemExit(f"error: system_prompt needs template = 'chat' (template is {cfg.template!r})")
+        self.end_id = self.end_of_turn() if cfg.template == "chat" else self.stop_ids[0]  # ends every SFT target
+        self.stop_ids += [] if self.end_id in self.stop_ids else [self.end_id]
         if cfg.task in ("gsm8k", "math"):
             load = load_gsm8k if cfg.task == "gsm8k" else load_math
-            self.train = load(cfg.train_file)
-            self.heldout = load(cfg.eval_file)[:cfg.eval_n]
+            self.train, self.heldout = load(cfg.train_file), load(cfg.eval_file)[:cfg.eval_n]
         elif cfg.task in ("arithmetic", "countdown"):
             self.heldout = [self.synthetic(cfg.eval_seed, i, cfg.eval_min_ops, cfg.eval_max_ops)
                             for i in range(cfg.eval_n)]
@@ -216,22 +281,46 @@ class Task:
         seed = seed_of(cfg.seed, stage == "sft")
         pid = k % cfg.train_size if cfg.train_size else k
         p = self.synthetic(seed, pid, lo, hi)
-        while p.prompt in self.heldout_prompts:  # deterministic re-draw keeps the held-out set unseen
+        # deterministic re-draws keep the held-out set unseen and, with sft_answer_filter, drop every
+        # demonstration whose final answer is wrong (answer-filtered SFT: the next problem takes its place)
+        while p.prompt in self.heldout_prompts or (stage == "sft" and cfg.sft_answer_filter and
+                                                   verify.reward(self.cold_start_target(k, p), p.gold) < 1):
             pid += 1 << 40
             p = self.synthetic(seed, pid, lo, hi)
         return pid, p
 
     def cold_start_target(self, k: int, p: Problem) -> str:
-        """The k-th cold-start target: the worked solution, or (a seeded sft_direct_frac share) the bare answer."""
+        """The k-th cold-start target: the worked solution, from the sloppy teacher (flawed_solution) in a seeded
+        sft_flaw_frac share, then (a seeded sft_direct_frac share) only its final answer."""
+        flaw = random.Random(f"flaw:{self.cfg.seed}:{k}:{p.prompt}")  # keyed by the prompt too: a re-draw re-rolls
+        flawed = self.cfg.task == "arithmetic" and flaw.random() < self.cfg.sft_flaw_frac  # the demo's teacher only
+        solution = flawed_solution(p, self.cfg.sft_flaw, flaw) if flawed else p.solution
         direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
-        return f"#### {p.gold}" if direct else p.solution
+        return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}" if direct else solution
 
-    def prompt_ids(self, p: Problem) -> list[int]:
-        return self.tok.encode(render_prompt(p.prompt, self.cfg.template)).ids
+    def chat(self, question: str, answer: str = "") -> str:
+        """The chat template's text of system_prompt (if set), the question, then the generation prompt or `answer`."""
+        turns = [("system", self.cfg.system_prompt), ("user", question), ("assistant", answer)]
+        return chat_template(self.tok_config["chat_template"]).render(
+            messages=[{"role": r, "content": c} for r, c in turns if c or r == "user"], tools=None, documents=None,
+            add_generation_prompt=not answer, **self.tok_config["special_tokens"])
+
+    def end_of_turn(self) -> int:
+        """The token ending an assistant turn in the chat template: the first stop id (else special token) after it."""
+        _, mark, after = self.chat("1+1?", "THE_ANSWER").rpartition("THE_ANSWER")  # a template may not show it
+        ids = self.tok.encode(after, add_special_tokens=False).ids if mark else []
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        return next((i for i in ids if i in self.stop_ids), next((i for i in ids if i in special), self.stop_ids[0]))
+
+    def prompt_text(self, p: Problem) -> str:  # exactly what prompt_ids tokenizes
+        return self.chat(p.prompt) if self.cfg.template == "chat" else render_prompt(p.prompt, self.cfg.template)
+
+    def prompt_ids(self, p: Problem) -> list[int]:  # chat text holds its special tokens: add none (no double BOS)
+        return self.tok.encode(self.prompt_text(p), add_special_tokens=self.cfg.template != "chat").ids
 
     def target_ids(self, text: str) -> list[int]:
-        """A supervised completion: its ids and the end-of-sequence token."""
-        return self.tok.encode(text, add_special_tokens=False).ids + self.stop_ids[:1]
+        """A supervised completion: its ids and the token that ends it (the chat template's end of turn)."""
+        return self.tok.encode(text, add_special_tokens=False).ids + [self.end_id]
 
     def text(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -11,7 +11,7 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
 The supervised stage (DeepSeek-R1 cold start) minimises grpo.sft_loss on the task's worked solutions (sft_update).
 Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its scoring twin in rollout.py.
 
-  python train.py                                        # the CPU demo: SFT then DAPO on synthetic arithmetic
+  python train.py                                        # the CPU demo: SFT on a sloppy teacher, then DAPO
   python train.py --config configs/smoke.toml --rl_steps=8
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml
 """
@@ -61,11 +61,15 @@ class Config:
     task: str = "arithmetic"            # arithmetic | countdown | gsm8k | math
     train_file: str = ""                # JSONL for gsm8k / math
     eval_file: str = ""
-    template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed
+    template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed; chat: the checkpoint's chat template
+    system_prompt: str = ""             # template chat: a system message before each question (e.g. R1's instruction)
     train_size: int = 0                 # synthetic: cycle over this many problems (0: a fresh stream)
     sft_min_ops: int = 2                # synthetic difficulty of the SFT demonstrations
     sft_max_ops: int = 4
-    sft_direct_frac: float = 0.5        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_direct_frac: float = 0.0        # synthetic: share of cold-start demos that give only "#### N", no steps
+    sft_flaw_frac: float = 0.6          # arithmetic only: share of demos from a sloppy teacher (tasks.flawed_solution)
+    sft_flaw: str = "sign"              # its error: sign (negatives lose their "-") | random (one step off by 1-3)
+    sft_answer_filter: bool = False     # drop demos whose final answer is wrong (answer-filtered SFT, RFT-like)
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
     eval_min_ops: int = 2
@@ -78,7 +82,7 @@ class Config:
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     # --- RL sampling
-    rl_steps: int = 500
+    rl_steps: int = 200
     rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
@@ -127,15 +131,18 @@ class Config:
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
     eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
+    eval_batch: int = 64                # held-out problems per sampling call, all ranks (bounds the KV cache)
     ckpt_every: int = 100
     keep_ckpts: int = 2                 # newest checkpoints kept (0: all)
+    save_dtype: str = ""                # step_N/ weights: "" the source folder's dtype (float32 for a fresh model)
 
     CHOICES: ClassVar[dict] = {
-        "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed"),
+        "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
         "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
-        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES}
+        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES,
+        "save_dtype": ("", "float32", "bfloat16", "float16"), "sft_flaw": tasks.FLAWS}
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -202,7 +209,8 @@ class Group:
 
 
 def build_run(cfg: Config) -> Run:
-    """Join the processes, build or load the policy (sharded) and its tokenizer, and the task."""
+    """Join the processes, build or load the policy (sharded; float32, its folder's dtype and files kept for step_N/)
+    and its tokenizer, and the task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
     proc = infra.setup(cfg.device, cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
@@ -212,10 +220,12 @@ def build_run(cfg: Config) -> Run:
         model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
-    stop_ids = [i for i in (tok.token_to_id(t) for t in STOP_NAMES) if i is not None]
-    model = infra.shard(model.to(proc.device), proc)  # sampling reads a refreshed plain copy when FSDP shards
-    sampler = infra.frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
-    return Run(cfg, proc, model, tasks.Task(cfg, tok, stop_ids), sampler=sampler)
+    info = tasks.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
+    eos = [tok.token_to_id(info["special_tokens"].get("eos_token", "")), *info["eos_ids"]] if info else []
+    eos = [i for i in eos if i is not None] or [tok.token_to_id(t) for t in STOP_NAMES]  # names: for our char folders
+    stop_ids = [i for i in dict.fromkeys(eos) if i is not None]
+    model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy when FSDP shards (infra.sampling)
+    return Run(cfg, proc, model, tasks.Task(cfg, tok, stop_ids, info), sampler=infra.sampling_copy(model, proc))
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -235,16 +245,17 @@ def make_optimizer(run: Run, lr: float, total: int):
 
 # ============================================================================================ 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float, seed_keys,
-                  max_new_tokens: int) -> list[Group]:
+                  max_new_tokens: int, first: int = 0) -> list[Group]:
     """G completions of each problem, scored by the verifier, every group on every rank in the order of `problems`.
-    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, problem position, sample index), so
-    any rank count samples the same tokens."""
+    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, first + problem position, sample index),
+    so any rank count (and any chunking of a list, with `first` its offset) samples the same tokens."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
-    seeds = torch.tensor([seed_of(*seed_keys, j, g) for j in mine for g in range(G)])
-    ro = mine and generate(run.sampler or run.model, prompts, G, max_new_tokens, temperature=temperature,
-                           top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
+    seeds = torch.tensor([seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
+    model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
+    ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
+                           top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
     groups, (ids, mask, lp, cut) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
                                                            ro.truncated)] if mine else [None] * 4
     for a, j in enumerate(mine):
@@ -349,7 +360,7 @@ def optimizer_step(run: Run, opt) -> torch.Tensor:
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if torch.isfinite(norm):
         opt.step()
-        infra.refresh(run.sampler, run.model)  # the sampling copy, in place (the same on every rank)
+        infra.refresh(run.sampler, run.model, lazy=True)  # gathered before the next sampling
     opt.zero_grad(set_to_none=True)
     return norm
 
@@ -460,7 +471,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
                 gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()
-                for k, v in {"train/logprob_gap_max": gap, **({"train/tis_max": tis.pop("tis_max")} if tis else {})}.items():
+                for k, v in [("train/logprob_gap_max", gap)] + ([("train/tis_max", tis.pop("tis_max"))] if tis else []):
                     maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
@@ -477,26 +488,40 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
 
 
 # ============================================================================================== evaluation
-def evaluate(run: Run, step: int, logger: infra.Logger | None = None) -> dict:
-    """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length and answer rate, per level too."""
-    cfg, probs = run.cfg, list(enumerate(run.task.heldout))
-    greedy = sample_groups(run, probs, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens)
-    sampled = sample_groups(run, probs, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1), cfg.max_new_tokens)
-    rec, by_level = {}, {}
-    for g, s in zip(greedy, sampled):
-        answers = [verify.extract_answer(t) for t in s.texts]
-        votes = Counter(a for a in answers if a is not None).most_common(1)
-        row = {"pass@1": g.scores[0], "pass@1_sampled": sum(s.scores) / cfg.eval_k,
-               f"maj@{cfg.eval_k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
-               "completion_len": sum(map(len, s.comps)) / cfg.eval_k,
-               "answer_rate": sum(a is not None for a in answers) / cfg.eval_k}
-        for key in (None, g.problem.level):
-            by_level.setdefault(key, Counter()).update({**row, "n": 1})
+def evaluate(run: Run, step: int, logger: infra.Logger | None = None, samples: list | None = None) -> dict:
+    """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length, answer and truncation rates, per level
+    too, in chunks of eval_batch problems (a progress line after each of a long eval). A `samples` list receives one
+    record per completion: the prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
+    cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
+    rec, by_level, shown = {}, {}, []
+    for c0 in range(0, len(probs), cfg.eval_batch):
+        chunk = probs[c0:c0 + cfg.eval_batch]
+        greedy = sample_groups(run, chunk, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens, c0)
+        sampled = sample_groups(run, chunk, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1), cfg.max_new_tokens, c0)
+        for g, s in zip(greedy, sampled):
+            answers = [verify.extract_answer(t) for t in s.texts]
+            votes = Counter(a for a in answers if a is not None).most_common(1)
+            row = {"pass@1": g.scores[0], "pass@1_sampled": sum(s.scores) / cfg.eval_k,
+                   f"maj@{cfg.eval_k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
+                   "completion_len": sum(map(len, s.comps)) / cfg.eval_k,
+                   "answer_rate": sum(a is not None for a in answers) / cfg.eval_k,
+                   "truncated_frac": sum(s.truncated) / cfg.eval_k}
+            for key in (None, g.problem.level):
+                by_level.setdefault(key, Counter()).update({**row, "n": 1})
+            if samples is not None:  # one record per completion, the greedy one first
+                samples += [{"problem": c0 + x.pos, "kind": kind, "prompt": run.task.prompt_text(x.problem),
+                             "completion": t, "answer": verify.extract_answer(t), "gold": x.problem.gold,
+                             "correct": sc >= 1, "truncated": cut} for kind, x in (("greedy", g), ("sampled", s))
+                            for t, sc, cut in zip(x.texts, x.scores, x.truncated)]
+        shown += greedy
+        if run.proc.rank == 0 and len(probs) > cfg.eval_batch:  # a long eval shows its progress
+            n, dt = min(len(probs), c0 + cfg.eval_batch), time.time() - t0
+            print(f"  eval {n}/{len(probs)} | {dt:.0f} s | eta {dt / n * (len(probs) - n) / 60:.1f} min", flush=True)
     for level, acc in by_level.items():  # everything over all problems, pass@1 per level
         keys = [k for k in acc if k != "n"] if level is None else ["pass@1", "pass@1_sampled"]
         rec.update({f"eval/{k}" + ("" if level is None else f"_L{level}"): acc[k] / acc["n"] for k in keys})
     if logger:
-        logger.samples(step, [(g.problem.prompt, g.texts[0], g.problem.gold, g.scores[0]) for g in greedy])
+        logger.samples(step, [(g.problem.prompt, g.texts[0], g.problem.gold, g.scores[0]) for g in shown])
     return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec}
 
 
@@ -504,7 +529,8 @@ def evaluate(run: Run, step: int, logger: infra.Logger | None = None) -> dict:
 def save(run: Run, state: TrainState, step: int, stage: str, opt, sched):
     infra.save_checkpoint(run.proc, run.cfg.out_dir, step, run.model, run.task.tok, opt, {
         "scheduler": sched.state_dict(), "step": step, "stage": stage, "state": dataclasses.asdict(state),
-        "rng": torch.get_rng_state(), "config": dataclasses.asdict(run.cfg)}, ref=run.ref, keep=run.cfg.keep_ckpts)
+        "rng": torch.get_rng_state(), "config": dataclasses.asdict(run.cfg)}, ref=run.ref, keep=run.cfg.keep_ckpts,
+        dtype=getattr(torch, run.cfg.save_dtype) if run.cfg.save_dtype else None)
 
 
 def main(cfg: Config) -> dict:
@@ -521,6 +547,9 @@ def main(cfg: Config) -> dict:
         print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in run.model.parameters()):,} "
               f"parameters, world size {run.proc.world}, device {run.proc.device}\nobjective: {objective(cfg)}")
     opt, stage, results, rl_t0 = None, None, {}, time.time()
+    if not latest:  # the baseline: every curve starts from the checkpoint it trains
+        logger.log(0, "base", results.setdefault("base", evaluate(run, 0, logger)))
+        logger.t0 = time.time()  # the console's ETA counts training steps only
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # each stage starts a fresh AdamW and LR schedule
             stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()

@@ -101,8 +101,8 @@ def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_nccl_ranks_match_one(tmp_path):
-    args = SMOKE[:2] + ["--device=auto", "--wandb_mode=disabled", "--sft_steps=2", "--rl_steps=2", "--eval_every=100", "--eval_n=8",
-                        "--dynamic_sampling=false", "--overlong_buffer=20", "--ckpt_every=100"]
+    args = SMOKE[:2] + ["--device=auto", "--wandb_mode=disabled", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
+                        "--eval_n=8", "--dynamic_sampling=false", "--overlong_buffer=20", "--ckpt_every=100"]
     env = {**os.environ, "WANDB_MODE": "disabled"}
     for name, launch in [("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
                                                              "--standalone", "--nproc_per_node=2"])]:

@@ -2,13 +2,14 @@
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (KVCache, ModelConfig, Transformer, apply_rope, build_char_tokenizer, load_tokenizer,
-                   read_config, rope_inv_freq)
+from model import (KVCache, ModelConfig, Transformer, apply_rope, build_char_tokenizer, config_from_hf, config_to_hf,
+                   load_tokenizer, read_config, rope_inv_freq)
 
 
 def tiny(**kw):
@@ -220,3 +221,78 @@ def test_kv_cache_is_not_a_module_buffer():
     m = tiny()
     assert not list(m.buffers())
     assert isinstance(m.new_cache(2, 8), KVCache)
+
+
+# the config.json of Qwen2.5-0.5B-Instruct and of Llama-3.2-1B-Instruct as the Hub ships them
+QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+          "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+          "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21, "model_type": "qwen2",
+          "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+          "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+          "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+LLAMA32 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_act": "silu",
+           "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+           "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+           "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {
+               "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "rope_type": "llama3",
+               "original_max_position_embeddings": 8192}, "rope_theta": 500000.0, "tie_word_embeddings": True,
+           "torch_dtype": "bfloat16", "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
+
+
+def test_real_config_keys_accepted_unless_they_change_the_maths():
+    q = config_from_hf(QWEN25, "qwen")
+    assert (q.n_layers, q.n_heads, q.n_kv_heads, q.head_dim, q.vocab_size, q.attention_bias) == (
+        24, 14, 2, 64, 151936, True)
+    assert config_to_hf(q, torch.bfloat16)["eos_token_id"] == 151645  # the harmless keys are written back
+    ll = config_from_hf(LLAMA32, "llama")
+    assert (ll.head_dim, ll.rope_theta, ll.rope_scaling["rope_type"], ll.tie_embeddings) == (64, 5e5, "llama3", True)
+    ok = [{**QWEN25, "use_sliding_window": True, "max_window_layers": 24},  # no layer at or past max_window_layers
+          {**QWEN25, "use_sliding_window": True, "sliding_window": 32768},  # the window covers every position
+          {**QWEN25, "layer_types": ["full_attention"] * 24, "use_sliding_window": True, "sliding_window": 4096}]
+    for d in ok:
+        config_from_hf(d, "ok")
+    bad = [({**QWEN25, "use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
+           ({**QWEN25, "attention_dropout": 0.1}, "attention_dropout"),
+           ({**LLAMA32, "quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+           ({**LLAMA32, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling"),
+           ({**QWEN25, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope scaling")]
+    for d, msg in bad:
+        with pytest.raises(ValueError, match=f"^where: .*{msg}"):
+            config_from_hf(d, "where")
+
+
+def test_save_keeps_the_source_folders_files_and_dtype(hf_folder, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hf_folder("qwen", torch.bfloat16), src)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (src / "original").mkdir()  # Llama folders keep Meta's weights here: not a tokenizer file
+    (src / "original" / "consolidated.00.pth").write_bytes(b"x" * 100)
+    for name in ("README.md", "LICENSE", "vocab.json", "merges.txt", "pytorch_model.bin"):
+        (src / name).write_text(name)
+    m = Transformer.from_pretrained(src, dtype=torch.float32)
+    assert m.model.norm.weight.dtype == torch.float32 and m.source_dtype == torch.bfloat16
+    m.save_pretrained(tmp_path / "out")
+    kept = ["LICENSE", "additional_chat_templates/tool_use.jinja", "chat_template.jinja", "generation_config.json",
+            "merges.txt", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+    written = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert written == sorted(kept + ["config.json", "model.safetensors"])
+    assert all((tmp_path / "out" / n).read_bytes() == (src / n).read_bytes() for n in kept)  # byte for byte
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)  # bf16 -> f32 -> bf16 exact
+    assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
+    m.save_pretrained(tmp_path / "f32", dtype=torch.float32)  # save_dtype overrides
+    assert {t.dtype for t in load_file(tmp_path / "f32" / "model.safetensors").values()} == {torch.float32}
+    assert json.load(open(tmp_path / "f32" / "config.json"))["dtype"] == "float32"
+
+
+def test_char_folder_loads_in_transformers(tmp_path):
+    tr = pytest.importorskip("transformers")
+    tok = build_char_tokenizer("0123456789+-=")
+    tiny().save_pretrained(tmp_path, tokenizer=tok)
+    hf = tr.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.bos_token, hf.eos_token, hf.pad_token, hf.eos_token_id) == ("<bos>", "<eos>", "<pad>", 2)
+    assert hf("12+3=")["input_ids"] == tok.encode("12+3=").ids == [1] + [tok.token_to_id(c) for c in "12+3="]
+    assert tr.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 2

@@ -17,8 +17,8 @@ SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
 # the micro model on one-operation sums of 0..3: after 60 steps it solves some and fails some (on seeds 0-4, each
 # STaR run both kept solutions and rescued failures), so both halves of an expert iteration are exercised
 MICRO = ["--config", SMOKE, "--threads=1", "--sft_steps=60", "--sft_lr=2e-2", "--max_operand=3", "--sft_max_ops=1",
-         "--sft_min_ops=1", "--rl_min_ops=1", "--eval_min_ops=1", "--sft_direct_frac=0", "--ops=+-*",
-         "--rl_max_ops=1", "--eval_max_ops=1", "--train_size=8", "--expert_iters=2", "--expert_samples=8",
+         "--sft_min_ops=1", "--rl_min_ops=1", "--eval_min_ops=1", "--sft_direct_frac=0", "--sft_flaw_frac=0",
+         "--ops=+-*", "--rl_max_ops=1", "--eval_max_ops=1", "--train_size=8", "--expert_iters=2", "--expert_samples=8",
          "--expert_sft_steps=2", "--eval_n=8", "--eval_k=2", "--hint_sft_frac=0.5"]
 
 
@@ -33,7 +33,7 @@ def parse(args):
 
 def trainer(tmp_path, *args):
     return train.build_run(parse(["--config", SMOKE, f"--out_dir={tmp_path}", "--train_size=4", "--sft_direct_frac=0",
-                                  "--expert_samples=4", "--prompts_per_step=4", *args]))
+                                  "--sft_flaw_frac=0", "--expert_samples=4", "--prompts_per_step=4", *args]))
 
 
 def group(texts, correct, truncated=None):

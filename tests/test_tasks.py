@@ -1,13 +1,18 @@
-"""tasks.py: generators checked by independent evaluators, countdown checker table, loaders, templates."""
+"""tasks.py: generators checked by independent evaluators, countdown checker table, loaders, templates, chat
+templates against hand-written renderings and transformers' apply_chat_template."""
 import json
+import os
+import random
 import re
 import time
+from datetime import datetime
 from fractions import Fraction
 
 import pytest
+from conftest import QWEN_SYSTEM
 
-from tasks import (CHARS, Problem, arithmetic, countdown, countdown_check, countdown_reward, load_gsm8k, load_math,
-                   render_prompt)
+from tasks import (CHARS, Problem, Task, arithmetic, chat_template, countdown, countdown_check, countdown_reward,
+                   flawed_solution, load_gsm8k, load_math, read_tokenizer_config, render_prompt)
 from verify import reward, step_rewards
 
 
@@ -66,6 +71,53 @@ def test_arithmetic_is_independent_of_call_order():
         interleaved.append(arithmetic(7, i))
     assert forward == backward == interleaved
     assert [arithmetic(7, i) for i in range(20)] != [arithmetic(8, i) for i in range(20)]  # seeds differ
+
+
+
+def chain(solution: str) -> list[tuple[int, str, int, int]]:
+    """The steps "a op b=c" of a worked solution as (a, op, b, c)."""
+    return [(int(a), op, int(b), int(c)) for a, op, b, c in re.findall(r"(-?\d+)([-+*])(\d+)=(-?\d+)", solution)]
+
+
+def test_sloppy_teacher_pinned_examples():
+    rng = random.Random(0)
+    p = Problem("2-5+2=", "-1", "2-5=-3;-3+2=-1 #### -1", 2)
+    assert flawed_solution(p, "sign", rng) == "2-5=3;3+2=5 #### 5"  # |2-5| = 3, carried on: 3+2 = 5
+    q = Problem("3+4+9=", "16", "3+4=7;7+9=16 #### 16", 2)
+    assert flawed_solution(q, "sign", rng) == q.solution  # no negative result: nothing to get wrong
+
+
+@pytest.mark.parametrize("flaw", ["sign", "random"])
+def test_sloppy_teacher_chains(flaw):
+    rng, n_wrong = random.Random(1), 0
+    for i in range(500):
+        p = arithmetic(2, i, min_ops=2, max_ops=4, max_operand=9, ops="+-")
+        s = flawed_solution(p, flaw, rng)
+        steps, value, wrong = chain(s), int(re.match(r"\d+", p.prompt).group()), 0
+        assert [f"{op}{b}" for _, op, b, _ in steps] == re.findall(r"[-+]\d+", p.prompt)  # the prompt's operations
+        for a, op, b, c in steps:
+            assert a == value  # each step starts from the result written before it: errors are carried on
+            right = a + b if op == "+" else a - b
+            wrong += c != right
+            assert c == abs(right) if flaw == "sign" else c == right or 1 <= abs(c - right) <= 3
+            value = c
+        assert s.endswith(f"#### {value}")
+        if flaw == "random":  # exactly one slip, and on + - chains it always changes the final answer
+            assert wrong == 1 and reward(s, p.gold) == 0.0
+        else:  # wrong exactly when the correct chain goes below zero somewhere
+            assert (wrong > 0) == (reward(s, p.gold) == 0.0) == (min(running_values(p.prompt)) < 0)
+        n_wrong += wrong > 0
+    assert n_wrong == 500 if flaw == "random" else 100 < n_wrong < 400
+
+
+def running_values(prompt: str) -> list[int]:
+    """Independent evaluator: every intermediate result of the left-to-right fold."""
+    tokens, out = re.findall(r"\d+|[-+*]", prompt.rstrip("=")), []
+    value = int(tokens[0])
+    for op, b in zip(tokens[1::2], map(int, tokens[2::2])):
+        value = value + b if op == "+" else value - b if op == "-" else value * b
+        out.append(value)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- countdown
@@ -225,3 +277,126 @@ def test_render_prompt():
     assert boxed.startswith(question) and "\\boxed{}" in boxed
     with pytest.raises(ValueError, match="plain.*r1.*boxed"):
         render_prompt(question, "chatml")
+
+
+# ---------------------------------------------------------------------------------------------------- chat templates
+def chat_task(folder, data, **kw):
+    """A gsm8k Task with template = "chat" on a checkpoint folder's tokenizer; stop ids as the Hub files name them."""
+    import train
+    from tokenizers import Tokenizer
+    cfg = train.Config(task="gsm8k", train_file=data, eval_file=data, template="chat", **kw)
+    tok, info = Tokenizer.from_file(os.path.join(folder, "tokenizer.json")), read_tokenizer_config(folder)
+    return Task(cfg, tok, [tok.token_to_id(info["special_tokens"]["eos_token"])], info)
+
+
+def expected_chat(family: str, question: str, system: str = "") -> str:
+    """The rendered prompt, written out by hand from the two templates in conftest.py."""
+    if family == "qwen":
+        return (f"<|im_start|>system\n{system or QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    return (f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+            f"Today Date: {datetime.now():%d %b %Y}\n\n{system}<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+            f"{question}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def hf_tokenizer(folder):
+    """transformers' AutoTokenizer of a folder, or None when transformers is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+@pytest.mark.parametrize("system", ["", "Think step by step, then give the answer after ####."])
+def test_chat_prompts_render_the_checkpoints_template(hf_folder, gsm8k_file, family, system):
+    folder = hf_folder(family)
+    task, hf = chat_task(folder, gsm8k_file, system_prompt=system), hf_tokenizer(folder)
+    assert len(task.heldout) == 5
+    for p in task.heldout:
+        text, ids = task.prompt_text(p), task.prompt_ids(p)
+        assert text == expected_chat(family, p.prompt, system)
+        assert ids == task.tok.encode(text, add_special_tokens=False).ids
+        if family == "llama":  # the template writes bos_token; the tokenizer would add a second one
+            bos = task.tok.token_to_id("<|begin_of_text|>")
+            assert ids[0] == bos and ids.count(bos) == 1 and task.tok.encode(text).ids[:2] == [bos, bos]
+        if hf is not None:
+            messages = [{"role": "system", "content": system}] if system else []
+            messages += [{"role": "user", "content": p.prompt}]
+            assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.mark.parametrize("family,base,end", [("qwen", False, "<|im_end|>"), ("llama", False, "<|eot_id|>"),
+                                             ("qwen", True, "<|im_end|>")])
+def test_sft_targets_end_with_the_templates_end_of_turn(hf_folder, gsm8k_file, family, base, end):
+    task = chat_task(hf_folder(family, base=base), gsm8k_file)
+    end_id, body = task.tok.token_to_id(end), task.tok.encode("48 + 24 = 72\n#### 72", add_special_tokens=False).ids
+    assert task.end_id == end_id and task.target_ids("48 + 24 = 72\n#### 72") == body + [end_id]
+    assert end_id in task.stop_ids  # a base model's eos is <|endoftext|>: the template's end of turn stops it too
+    assert task.stop_ids[0] == task.tok.token_to_id("<|endoftext|>" if base else end)
+
+
+def test_chat_template_without_one_names_the_folder(hf_folder, gsm8k_file):
+    folder = hf_folder("qwen", chat_template=False)
+    with pytest.raises(SystemExit, match=re.escape(folder) + ".*no chat template"):
+        chat_task(folder, gsm8k_file)
+    import train
+    from model import build_char_tokenizer
+    with pytest.raises(SystemExit, match="a fresh model.*no chat template"):
+        Task(train.Config(template="chat"), build_char_tokenizer(CHARS), [2])
+    with pytest.raises(SystemExit, match="system_prompt needs template = 'chat'"):
+        Task(train.Config(template="r1", system_prompt="Be brief."), build_char_tokenizer(CHARS), [2])
+
+
+# trim_blocks, lstrip_blocks, loop controls, tojson without escaping, {% generation %}, strftime_now, tools None
+ENV_TEMPLATE = ("{% for m in messages %}\n    {% if loop.index > 2 %}{% break %}{% endif %}\n"
+                "{{ m.role }}: {{ m.content | tojson }}\n{% endfor %}\n"
+                "{% generation %}{{ bos_token }}{% endgeneration %}{% if add_generation_prompt %}GEN{% endif %}"
+                "{% if tools is none and documents is none %}|none{% endif %}|{{ strftime_now('%Y') }}")
+
+
+def test_chat_template_environment_is_transformers(tmp_path):
+    import train
+    from model import build_char_tokenizer
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ENV_TEMPLATE, "bos_token": "<bos>"}))
+    task = Task(train.Config(template="chat", system_prompt="Sé <b>&"), build_char_tokenizer(CHARS), [2],
+                read_tokenizer_config(tmp_path))
+    year = datetime.now().year
+    assert task.chat("q?") == f'system: "Sé <b>&"\nuser: "q?"\n<bos>GEN|none|{year}'
+    assert task.chat("q?", "a") == f'system: "Sé <b>&"\nuser: "q?"\n<bos>|none|{year}'  # the 3rd message: break
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return
+    messages = [{"role": "system", "content": "Sé <b>&"}, {"role": "user", "content": "q?"}]
+    assert render_jinja_template([messages], chat_template=ENV_TEMPLATE, add_generation_prompt=True,
+                                 bos_token="<bos>")[0][0] == task.chat("q?")
+    import jinja2
+    with pytest.raises(jinja2.TemplateError, match="no system role"):
+        chat_template("{{ raise_exception('no ' + messages[0]['role'] + ' role') }}").render(
+            messages=[{"role": "system"}])
+
+
+def test_read_tokenizer_config_as_transformers_reads_it(tmp_path):
+    def folder(name, **files):
+        (tmp_path / name).mkdir()
+        for fname, d in files.items():
+            (tmp_path / name / fname.replace("_json", ".json").replace("_jinja", ".jinja")).write_text(
+                d if isinstance(d, str) else json.dumps(d))
+        return read_tokenizer_config(tmp_path / name)
+    added = {"bos_token": {"__type": "AddedToken", "content": "<s>", "special": True}, "unk_token": None,
+             "eos_token": "</s>", "added_tokens_decoder": {}}
+    a = folder("a", tokenizer_config_json={**added, "chat_template": "key"}, chat_template_jinja="file",
+               special_tokens_map_json={"eos_token": "<ignored>"}, generation_config_json={"eos_token_id": 7})
+    assert a["chat_template"] == "file" and a["eos_ids"] == [7]  # the .jinja file wins over the key
+    assert a["special_tokens"] == {"bos_token": "<s>", "eos_token": "</s>"}  # no added_tokens_decoder: map ignored
+    b = folder("b", tokenizer_config_json={"eos_token": "</s>", "chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]},
+        special_tokens_map_json={"eos_token": "<|eot|>", "pad_token": "<pad>"}, generation_config_json={
+        "eos_token_id": [3, 1]})
+    assert b["chat_template"] == "D" and b["eos_ids"] == [3, 1]  # the older list of named templates: its default
+    assert b["special_tokens"] == {"eos_token": "<|eot|>", "pad_token": "<pad>"}  # legacy map overrides
+    c = folder("c")
+    assert c["eos_ids"] == [] and c["special_tokens"] == {} and c.get("chat_template") is None

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import infra
 import tasks
 import train
+import verify
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,14 +114,16 @@ def test_smoke_run_sft_then_rl(tmp_path):
     recs = records(out)
     steps = [r["step"] for r in recs if "train/loss" in r]
     assert steps == list(range(1, 11))
-    assert {r["stage"] for r in recs if r["step"] <= 6} == {"sft"} and recs[-1]["stage"] == "rl"
+    assert recs[0]["stage"] == "base" and {r["stage"] for r in recs if 1 <= r["step"] <= 6} == {"sft"}
+    assert recs[-1]["stage"] == "rl"
     rl = [r for r in recs if r["stage"] == "rl" and "train/reward" in r]
     assert len(rl) == 4 and all(0 <= r["train/reward"] <= 1 for r in rl)
     evals = [r for r in recs if "eval/pass@1" in r]
-    assert [r["step"] for r in evals] == [5, 6, 10]  # every 5 steps and at the end of each stage
+    # the untrained baseline at step 0 (issue 13), then every 5 steps and at the end of each stage
+    assert [r["step"] for r in evals] == [0, 5, 6, 10]
     for r in evals:
-        assert all(0 <= r[k] <= 1 for k in ("eval/pass@1", "eval/pass@1_sampled", "eval/maj@4"))
-    assert set(results) == {"sft", "rl"}
+        assert all(0 <= r[k] <= 1 for k in ("eval/pass@1", "eval/pass@1_sampled", "eval/maj@4", "eval/truncated_frac"))
+    assert set(results) == {"base", "sft", "rl"}
     # checkpoints are Hugging Face folders that our loader (and transformers) read
     assert sorted(os.listdir(out)) == ["metrics.jsonl", "step_10", "step_5"]
     m = Transformer.from_pretrained(os.path.join(out, "step_10"))
@@ -150,10 +153,11 @@ def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
                     "--eval_every=100",
             "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
             "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
-    run_cli(args + [f"--out_dir={tmp_path / 'one'}"])
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))  # 1 rank in this process: no start-up
     run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(one) == len(two) and all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
+    assert len(one) == len(two)
+    assert all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
     for a, b in zip(one, two):
         for k in a:
             if k.startswith("train/") and k != "train/grad_norm" or k.startswith("eval/"):
@@ -277,7 +281,7 @@ def test_pass_rate_memory_skips_a_prompt_after_k_saturated_visits(monkeypatch):
 
 
 def test_cold_start_direct_answer_share_and_disjoint_heldout():
-    cfg = train.Config(sft_direct_frac=0.5, eval_n=200)
+    cfg = train.Config(sft_direct_frac=0.5, sft_flaw_frac=0.0, eval_n=200)  # a correct teacher, half bare answers
     task = tasks.Task(cfg, train.build_char_tokenizer(tasks.CHARS), [2])
     demos = [task.cold_start_target(k, task.problem("sft", k)[1]) for k in range(2000)]
     direct = [d for d in demos if d.startswith("####")]
@@ -289,6 +293,37 @@ def test_cold_start_direct_answer_share_and_disjoint_heldout():
     assert not train_prompts & task.heldout_prompts  # the held-out set is never trained on
     assert {p.level for p in task.heldout} == {2, 3, 4}
 
+
+
+@pytest.mark.parametrize("flaw", ["sign", "random"])
+def test_sloppy_teacher_share_and_answer_filter(flaw):
+    kw = dict(sft_direct_frac=0.0, sft_flaw_frac=0.6, sft_flaw=flaw, eval_n=200)
+    task = tasks.Task(train.Config(**kw), train.build_char_tokenizer(tasks.CHARS), [2])
+    probs = [task.problem("sft", k)[1] for k in range(2000)]
+    demos = [task.cold_start_target(k, p) for k, p in enumerate(probs)]
+    assert demos == [task.cold_start_target(k, p) for k, p in enumerate(probs)]  # seeded per demo
+    flawed = [d != p.solution for d, p in zip(demos, probs)]
+    wrong = [verify.reward(d, p.gold) < 1 for d, p in zip(demos, probs)]
+    assert flawed == wrong  # every altered demonstration ends on a wrong answer (the error is carried on)
+    # random: 60% of the demos; sign: 60% of those whose chain goes below zero (about 42% of them)
+    assert 0.55 < sum(wrong) / 2000 < 0.65 if flaw == "random" else 0.2 < sum(wrong) / 2000 < 0.3
+    filt = tasks.Task(train.Config(**kw, sft_answer_filter=True), train.build_char_tokenizer(tasks.CHARS), [2])
+    fprobs = [filt.problem("sft", k)[1] for k in range(2000)]
+    assert all(verify.reward(filt.cold_start_target(k, p), p.gold) == 1 for k, p in enumerate(fprobs))
+    assert all(q == p for q, p, w in zip(fprobs, probs, wrong) if not w)  # a right demonstration is kept as is
+    assert not {p.prompt for p in fprobs} & filt.heldout_prompts
+    direct = tasks.Task(train.Config(**{**kw, "sft_direct_frac": 1.0}), train.build_char_tokenizer(tasks.CHARS), [2])
+    assert [direct.cold_start_target(k, p) for k, p in enumerate(probs[:200])] == \
+        [d[d.index("####"):] for d in demos[:200]]  # a bare answer is the sloppy teacher's answer too
+
+
+def test_sloppy_teacher_flaws_arithmetic_demonstrations_only():
+    task = tasks.Task(train.Config(task="countdown", sft_flaw_frac=1.0, sft_direct_frac=0.0),
+                      train.build_char_tokenizer(tasks.CHARS), [2])
+    probs = [task.problem("sft", k)[1] for k in range(50)]
+    assert [task.cold_start_target(k, p) for k, p in enumerate(probs)] == [p.solution for p in probs]
+    with pytest.raises(SystemExit, match="sft_flaw"):
+        train.parse_args(["--sft_flaw=typo"])
 
 def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     out = tmp_path / "timed"
@@ -318,6 +353,63 @@ def test_process_reward_puts_each_step_reward_at_its_last_token():
     assert adv.shape == (2, 19)
     assert torch.allclose(adv[0], torch.tensor(want0), atol=1e-5)
     assert torch.allclose(adv[1, :13], torch.tensor(want1), atol=1e-5)
+
+
+QWEN_PRESET = os.path.join(ROOT, "configs", "qwen2.5-0.5b-gsm8k.toml")
+
+
+def test_stop_ids_come_from_the_checkpoint(hf_folder, gsm8k_file, tmp_path):
+    def stops(folder, **kw):
+        cfg = train.Config(init_from=folder, task="gsm8k", train_file=gsm8k_file, eval_file=gsm8k_file, **kw)
+        tok = train.load_tokenizer(folder)
+        return [tok.id_to_token(i) for i in train.build_run(cfg).task.stop_ids]
+    # the tokenizer's eos, then generation_config.json's eos_token_id (a list, or an int), no repeats
+    assert stops(hf_folder("qwen")) == ["<|im_end|>", "<|endoftext|>"]
+    assert stops(hf_folder("llama")) == ["<|eot_id|>", "<|end_of_text|>"]
+    assert stops(hf_folder("qwen", base=True)) == ["<|endoftext|>"]
+    assert stops(hf_folder("qwen", base=True), template="chat") == ["<|endoftext|>", "<|im_end|>"]  # + end of turn
+    m = Transformer(train.ModelConfig(vocab_size=24, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1))
+    m.save_pretrained(tmp_path / "char", tokenizer=train.build_char_tokenizer(tasks.CHARS))
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # our own folder names its eos too
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        os.remove(tmp_path / "char" / name)
+    assert stops(str(tmp_path / "char")) == ["<eos>"]  # an older char folder: rollout.STOP_NAMES
+
+
+@pytest.mark.slow
+def test_qwen_preset_two_rl_steps_from_a_bf16_folder(hf_folder, gsm8k_file, tmp_path):
+    """The Qwen2.5 preset from a bf16 Qwen2.5-Instruct-shaped folder; its step_N/ is that folder to transformers."""
+    src, out = hf_folder("qwen", torch.bfloat16), tmp_path / "run"
+    cfg = train.parse_args(["--config", QWEN_PRESET, f"--init_from={src}", f"--train_file={gsm8k_file}",
+                            f"--eval_file={gsm8k_file}", f"--out_dir={out}", "--wandb_mode=disabled", "--rl_steps=2",
+                            "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=8", "--overlong_buffer=4",
+                            "--max_sample_tries=1", "--eval_n=2", "--eval_k=2", "--ckpt_every=4", "--sft_steps=2",
+                            "--sft_batch_size=2"])  # a cold start on chat-rendered GSM8K solutions moves the weights
+    assert cfg.template == "chat" and cfg.system_prompt.startswith("A conversation")
+    train.main(cfg)
+    recs = records(out)
+    assert [(r["step"], r["stage"]) for r in recs if "train/loss" in r] == [(1, "sft"), (2, "sft"), (3, "rl"),
+                                                                             (4, "rl")]
+    assert recs[0]["step"] == 0 and recs[0]["stage"] == "base" and "eval/pass@1" in recs[0]
+    step = out / "step_4"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (step / name).read_bytes() == open(os.path.join(src, name), "rb").read()
+    weights, before = load_file(step / "model.safetensors"), load_file(os.path.join(src, "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert any(not torch.equal(weights[k], before[k]) for k in weights)  # trained, and still bf16
+    tr = pytest.importorskip("transformers")
+    a, b = tr.AutoTokenizer.from_pretrained(src), tr.AutoTokenizer.from_pretrained(step)
+    assert type(a) is type(b) and a.special_tokens_map == b.special_tokens_map and a.chat_template == b.chat_template
+    assert a.all_special_ids == b.all_special_ids and a.eos_token == b.eos_token == "<|im_end|>"
+    eos = [tr.GenerationConfig.from_pretrained(d).eos_token_id for d in (src, step)]
+    assert eos[0] == eos[1] == [402, 400]  # <|im_end|>, <|endoftext|>
+    assert tr.AutoModelForCausalLM.from_pretrained(step).dtype == torch.bfloat16
+    hf = tr.AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32).eval()
+    ours = Transformer.from_pretrained(step, dtype=torch.float32).eval()
+    idx = torch.tensor([b.apply_chat_template([{"role": "user", "content": "How many clips?"}],
+                                              add_generation_prompt=True, return_dict=False)])
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)).abs().max() < 1e-5
 
 
 REFRESH = """

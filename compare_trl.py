@@ -1,0 +1,207 @@
+"""TRL beside train.py: the same cold start, reward and settings in TRL's GRPOTrainer, scored by OUR evaluation;
+and a whole-step throughput comparison at fixed shapes on one random checkpoint.
+
+Needs trl and transformers, which the project does not: `pip install trl==1.16.0 transformers==5.24.0`.
+  1. Training (default). The cold-start folder (`--init_from`, a step_N/ of train.py: config.json,
+     model.safetensors, tokenizer.json) loads in transformers' AutoModelForCausalLM and AutoTokenizer (the prompt
+     ids are checked equal to ours, <bos> included). GRPOTrainer gets the closest settings to train.Config:
+     loss_type "dapo" (token-level, normalised by the batch's tokens), ε = eps_low / eps_high, β = beta,
+     num_generations = G and prompts_per_step · G completions per step, max_new_tokens, temperature, top_k / top_p,
+     lr with warmup_steps of linear warmup then cosine to min_lr_ratio · lr over rl_steps, AdamW β1 / β2, weight
+     decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32, no gradient checkpointing.
+     The prompts are train.py's RL stream in order (task.problem("rl", k)); the reward is task.score of the decoded
+     completion (verify.reward against the gold on arithmetic), what train.py rewards. What stays different:
+     TRL has no DAPO dynamic sampling (zero-spread groups train with zero advantage), samples with transformers'
+     generate, and its warmup starts at lr 0.
+  2. Training stops after `trl_minutes` of wall-clock (give it the RL stage's time of the run it is compared with,
+     measured side by side under the same load); the model is saved to out_dir/final, loaded with our
+     Transformer.from_pretrained and scored with train.evaluate (train.py's table: same held-out set, greedy
+     pass@1, sampled pass@1 at T, maj@k, length), written to out_dir/eval.json.
+  3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (bench.py's presets, vocabulary 4096: our
+     characters plus fillers), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both), β = 0,
+     μ = 1, float32. Each TRL step is followed by one of ours (train.rl_step, no dynamic sampling) in the same
+     process, so the two take turns through any slow spell of the machine; the first step of each is warm-up.
+     Prints the median seconds per whole step (sample, reward, loss, backward, AdamW) and their ratio.
+
+  python compare_trl.py --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
+  python compare_trl.py --bench=2m,20m --bench_steps=6 --threads=2
+"""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+import cli
+import tasks
+import train
+from model import ModelConfig, Transformer, build_char_tokenizer
+from tasks import render_prompt
+
+PRESETS = {  # bench.py's
+    "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
+    "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
+}
+
+
+@dataclass
+class TrlConfig(train.Config):
+    trl_minutes: float = 0.0            # stop TRL's training after this much wall-clock (0: run rl_steps)
+    bench: str = ""                     # comma-separated PRESETS: time whole steps instead of training
+    bench_steps: int = 6                # timed steps per side (after one warm-up step each)
+
+    CHOICES: ClassVar[dict] = train.Config.CHOICES
+
+
+def import_trl():
+    try:
+        import transformers
+        import trl
+        from datasets import Dataset
+    except ImportError as e:
+        raise SystemExit(f"error: compare_trl.py needs trl and transformers ({e}); "
+                         "pip install trl==1.16.0 transformers==5.24.0") from None
+    return transformers, trl, Dataset
+
+
+def grpo_config(trl, cfg: TrlConfig, out_dir: str, max_steps: int, **over):
+    """GRPOConfig closest to train.Config (see step 1 of the module docstring)."""
+    P, G = cfg.prompts_per_step, cfg.group_size
+    return trl.GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        loss_type="dapo", epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, beta=cfg.beta,
+        num_iterations=cfg.ppo_epochs, scale_rewards=cfg.adv_scale, mask_truncated_completions=cfg.mask_truncated,
+        learning_rate=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=max_steps,
+        lr_scheduler_type="cosine_with_min_lr" if cfg.lr_schedule == "cosine" else "constant_with_warmup",
+        lr_scheduler_kwargs={"min_lr_rate": cfg.min_lr_ratio} if cfg.lr_schedule == "cosine" else None,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.grad_clip, shuffle_dataset=False, seed=cfg.seed, use_cpu=cfg.device != "cuda",
+        bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True, report_to="none",
+        save_strategy="no", log_completions=False, **{"logging_steps": 10, **over})
+
+
+def trainer_for(cfg: TrlConfig, run: train.Run, folder: str, out_dir: str, max_steps: int, n_prompts: int,
+                callback, **over):
+    """A GRPOTrainer on the HF copy of `folder`, fed run's RL stream and rewarded by run.task.score."""
+    transformers, trl, Dataset = import_trl()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    problems = [run.task.problem("rl", k)[1] for k in range(n_prompts)]
+    texts = [render_prompt(p.prompt, cfg.template) for p in problems]
+    for p, text in zip(problems[:8], texts):  # TRL tokenises the text itself: it must see our prompt ids
+        if hf_tok(text)["input_ids"] != run.task.prompt_ids(p):
+            raise SystemExit(f"error: AutoTokenizer of {folder} encodes {text!r} differently from ours")
+
+    def task_score(prompts, completions, completion_ids, pid, **_):
+        return [run.task.score(run.task.text(ids), problems[k]) for ids, k in zip(completion_ids, pid)]
+
+    return trl.GRPOTrainer(model=model, processing_class=hf_tok, reward_funcs=[task_score],
+                           args=grpo_config(trl, cfg, out_dir, max_steps, **over),
+                           train_dataset=Dataset.from_list([{"prompt": t, "pid": k} for k, t in enumerate(texts)]),
+                           callbacks=[callback] if callback else [])
+
+
+def step_clock(transformers):
+    class StepClock(transformers.TrainerCallback):
+        """Seconds per optimizer step; stops training after `minutes`; runs `after_step` between steps."""
+
+        def __init__(self, minutes=0.0, after_step=None):
+            self.minutes, self.after_step, self.steps = minutes, after_step, []
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t_start = time.time()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.steps.append(time.perf_counter() - self.t0)
+            if self.after_step:
+                self.after_step()
+            if 0 < self.minutes < (time.time() - self.t_start) / 60:
+                control.should_training_stop = True
+    return StepClock
+
+
+def train_and_evaluate(cfg: TrlConfig) -> dict:
+    """Steps 1-2: TRL from the cold start for trl_minutes, then our held-out evaluation of what it trained."""
+    if not cfg.init_from:
+        raise SystemExit("error: --init_from=DIR (train.py's cold-start step_N/) is required")
+    transformers, _, _ = import_trl()
+    run = train.build_run(cfg)
+    clock = step_clock(transformers)(cfg.trl_minutes)
+    trainer = trainer_for(cfg, run, cfg.init_from, cfg.out_dir, cfg.rl_steps, cfg.rl_steps * cfg.prompts_per_step,
+                          clock)
+    t0 = time.time()
+    trainer.train()
+    seconds = time.time() - t0
+    final = os.path.join(cfg.out_dir, "final")
+    trainer.save_model(final)
+    run.model = Transformer.from_pretrained(final, dtype=torch.float32).to(run.proc.device)
+    ev = train.evaluate(run, len(clock.steps))
+    out = {"trl_steps": len(clock.steps), "train_seconds": seconds,
+           "median_step_s": statistics.median(clock.steps), **ev}
+    with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nTRL GRPOTrainer: {len(clock.steps)} steps in {seconds / 60:.2f} min from {cfg.init_from}; "
+          "held-out, our evaluation:")
+    for k, v in out.items():
+        print(f"{k:28s}{v:10.3f}")
+    return out
+
+
+def random_checkpoint(path: str, preset: dict):
+    """A random Qwen2-shaped folder: our character tokenizer padded with filler tokens to a 4,096 vocabulary."""
+    tok = build_char_tokenizer(tasks.CHARS)
+    tok.add_special_tokens([f"<u{i}>" for i in range(4096 - tok.get_vocab_size())])
+    torch.manual_seed(0)
+    Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=256,
+                            **preset)).save_pretrained(path, tok)
+
+
+def bench(cfg: TrlConfig) -> dict:
+    """Step 3: TRL's and our whole GRPO step on the same random weights, taking turns."""
+    transformers, _, _ = import_trl()
+    out = {}
+    for size in cfg.bench.split(","):
+        if size not in PRESETS:
+            raise SystemExit(f"error: unknown bench size {size!r}; choose from {', '.join(PRESETS)}")
+        with tempfile.TemporaryDirectory() as tmp:
+            random_checkpoint(tmp, PRESETS[size])
+            c = dataclasses.replace(cfg, init_from=tmp, prompts_per_step=4, group_size=8, max_new_tokens=64,
+                                    beta=0.0, ppo_epochs=1, dynamic_sampling=False, out_dir=tmp)
+            run = train.build_run(c)
+            run.task.stop_ids = []  # every row decodes all 64 tokens, as TRL does with min_new_tokens
+            opt, sched = train.make_optimizer(run, c.lr, 1000)
+            state, ours = train.TrainState(), []
+
+            def our_step():
+                t0 = time.perf_counter()
+                train.rl_step(run, opt, sched, state, len(ours))
+                ours.append(time.perf_counter() - t0)
+
+            clock = step_clock(transformers)(0.0, our_step)
+            n = cfg.bench_steps + 1
+            trainer = trainer_for(c, run, tmp, os.path.join(tmp, "trl"), n, n * 4, clock,
+                                  generation_kwargs={"min_new_tokens": 64}, logging_steps=1000)
+            trainer.train()
+        params = sum(p.numel() for p in run.model.parameters())
+        t_trl, t_ours = statistics.median(clock.steps[1:]), statistics.median(ours[1:])
+        out[size] = {"params": params, "ours_s": t_ours, "trl_s": t_trl, "trl_over_ours": t_trl / t_ours}
+        print(f"{size}: {params / 1e6:.2f}M params, 4 prompts x 8, 64 new tokens, {torch.get_num_threads()} threads, "
+              f"median of {cfg.bench_steps} alternating steps: ours {t_ours:.3f} s, TRL {t_trl:.3f} s, "
+              f"TRL / ours {t_trl / t_ours:.2f}x", flush=True)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    args = cli.parse_config(TrlConfig, sys.argv[1:])
+    bench(args) if args.bench else train_and_evaluate(args)

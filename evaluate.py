@@ -1,0 +1,71 @@
+"""The held-out evaluation train.py runs (train.evaluate: the same function, not a copy), as a command line.
+
+  1. Load the checkpoint folder --ckpt as train.py loads init_from: weights, tokenizer, chat template, stop ids.
+  2. For every held-out problem (eval_file, or the synthetic held-out set of eval_seed), sample one greedy completion
+     and eval_k at `temperature` (with top_k / top_p), eval_batch problems at a time, with a progress line and ETA.
+  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k samples), answer rate,
+     mean completion length, truncation rate (no stop token within max_new_tokens), and those per level.
+  4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem, kind (greedy | sampled),
+     prompt (the rendered prompt text, exactly what was tokenized), completion, answer (extracted, or null), gold,
+     correct, truncated.
+Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k, max_new_tokens, temperature,
+top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of the problems, as in training.
+
+  python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 --config configs/qwen2.5-0.5b-gsm8k.toml \
+      --eval_n=1319 --eval_k=8 --samples_out samples.jsonl
+  torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt DIR --config configs/qwen2.5-0.5b-gsm8k.toml
+"""
+import dataclasses
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import infra
+import train
+
+ROWS = [("pass@1", "pass@1 greedy"), ("pass@1_sampled", "pass@1 sampled"), ("maj@k", "maj@k"),
+        ("answer_rate", "answer rate"), ("completion_len", "mean length (tokens)"),
+        ("truncated_frac", "truncation rate")]
+
+
+@dataclass
+class EvalConfig(train.Config):
+    ckpt: str = ""                      # the Hugging Face folder to evaluate: a step_N/ or a Qwen2 / Llama download
+    samples_out: str = ""               # write one JSON line per completion here (rank 0)
+
+
+def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float) -> str:
+    """The printed result: a header, one line per metric, then greedy and sampled pass@1 per level."""
+    out = [f"{cfg.init_from}: {sum(levels.values())} {cfg.task} problems, template {cfg.template}, greedy + "
+           f"{cfg.eval_k} samples at T = {cfg.temperature} (top_k {cfg.top_k}, top_p {cfg.top_p}), {seconds:.0f} s"]
+    out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}" for key, name in ROWS]
+    out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
+    out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"
+            for lv, n in sorted(levels.items())]
+    return "\n".join(out)
+
+
+def main(cfg: EvalConfig) -> dict:
+    """Evaluate cfg.ckpt; returns train.evaluate's record (eval/pass@1, eval/maj@k, ...)."""
+    if not (cfg.ckpt or cfg.init_from):
+        raise SystemExit("error: evaluate.py needs --ckpt DIR (a Hugging Face folder)")
+    # the held-out set is all an evaluation reads: the training file of a preset need not exist here
+    cfg = dataclasses.replace(cfg, init_from=cfg.ckpt or cfg.init_from, train_file=cfg.eval_file)
+    t0 = time.time()
+    run = train.build_run(cfg)
+    samples = [] if cfg.samples_out else None
+    rec = train.evaluate(run, 0, samples=samples)
+    if run.proc.rank == 0:
+        print(table(cfg, Counter(p.level for p in run.task.heldout), rec, time.time() - t0), flush=True)
+        if cfg.samples_out:
+            with open(cfg.samples_out, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)
+            print(f"{len(samples)} completions written to {cfg.samples_out}")
+    return rec
+
+
+if __name__ == "__main__":
+    main(train.parse_args(sys.argv[1:], EvalConfig))
+    infra.teardown()

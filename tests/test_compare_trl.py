@@ -1,0 +1,42 @@
+"""compare_trl.py (runs only where trl and transformers are installed): TRL's trained folder comes back into our
+evaluation unchanged, and TRL sees our prompt ids and our reward."""
+import json
+import os
+
+import pytest
+
+import train
+
+pytest.importorskip("trl")
+pytest.importorskip("transformers")
+import compare_trl  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
+TINY = ["--config", SMOKE, "--threads=1", "--eval_n=8", "--eval_k=2", "--sft_direct_frac=0"]
+
+
+@pytest.mark.slow
+def test_trl_at_lr_zero_scores_as_the_cold_start(tmp_path):
+    cold = tmp_path / "cold"
+    train.main(train.parse_args(TINY + [f"--out_dir={cold}", "--rl_steps=0"]))
+    init = cold / "step_6"
+    want = train.evaluate(train.build_run(train.parse_args(TINY + [f"--init_from={init}"])), 0)
+    out = tmp_path / "trl"
+    got = compare_trl.train_and_evaluate(compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + [
+        f"--init_from={init}", f"--out_dir={out}", "--rl_steps=2", "--lr=0"]))
+    assert got["trl_steps"] == 2
+    # lr 0: TRL's saved folder holds the cold-start weights, so our evaluation of it is the cold start's, exactly
+    assert {k: got[k] for k in want} == want
+    assert json.load(open(out / "eval.json"))["eval/pass@1"] == want["eval/pass@1"]
+
+
+def test_trl_reward_is_our_score(tmp_path):
+    cold = tmp_path / "cold"
+    train.main(train.parse_args(TINY + [f"--out_dir={cold}", "--rl_steps=0", "--sft_steps=1", "--ckpt_every=1"]))
+    cfg = compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + [f"--init_from={cold / 'step_1'}"])
+    run = train.build_run(cfg)
+    trainer = compare_trl.trainer_for(cfg, run, cfg.init_from, str(tmp_path / "t"), 1, 4, None)
+    p = run.task.problem("rl", 2)[1]
+    right, wrong = run.task.target_ids(p.solution), run.task.target_ids("#### 99999")
+    assert trainer.reward_funcs[0]([""] * 2, [""] * 2, [right, wrong], [2, 2]) == [1.0, 0.0]

@@ -168,8 +168,8 @@ if args.logprobs:
     print(f"{f['params'] / 1e6:.1f}M params, V = {args.vocab:,}, 32 rows x (136 + 64) tokens, {args.threads} threads\n"
           + "\n".join(f"{r['method']:>8}: {r['s']:6.2f} s forward + backward, peak RSS {r['peak_rss_gb']:5.2f} GB"
                       for r in (f, c)))
-    print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; "
-          f"|Δ sum log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad norm| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
+    print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; |Δ sum "
+          f"log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
     print(json.dumps(res))
     raise SystemExit
 if args.verify:
@@ -343,8 +343,8 @@ print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.de
 print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}")
 for label, a, b in rows:
     print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}")
-hf = results.get("transformers")
-if hf:
-    print(f"{'ours / transformers':<44}{ours['greedy'] / hf['greedy']:>13.2f}x{ours['sampling'] / hf['sampling']:>15.2f}x")
+if hf := results.get("transformers"):
+    a, b = (ours[k] / hf[k] for k in ("greedy", "sampling"))
+    print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
 print(f"{'ours / matmul-only bound':<44}{ours['greedy'] / bound:>14.2f}{ours['sampling'] / bound:>16.2f}")
 print(json.dumps(results))

@@ -8,7 +8,8 @@ The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
                 h += down_proj(silu(gate_proj(RMSNorm(h))) * up_proj(RMSNorm(h)))           SwiGLU
   3. logits = lm_head(RMSNorm(h))   (lm_head tied to embed_tokens or not)        [B, T, V]
 RoPE (Su et al. 2021), half-split ("rotate_half") layout as in Hugging Face: for frequency i < D/2,
-  θ_i = base^(−2i/D), (x_i, x_{i+D/2}) at position p  →  (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
+  θ_i = base^(−2i/D); at position p the pair (x_i, x_{i+D/2}) →
+      (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
 Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s is
 s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it never yields NaN).
 Module names are Hugging Face's, so state_dict() keys are checkpoint tensor names: loading is strict=True.
@@ -91,9 +92,9 @@ def config_from_hf(d: dict, where: str) -> ModelConfig:
     known = {k for _, k in HF_KEYS} | {"model_type", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
                                        "rope_parameters", "tie_word_embeddings", "attention_bias"}
     return ModelConfig(model_type=mt, n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                       head_dim=d.get("head_dim") or 0, rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))),
-                       rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", True)),
-                       attention_bias=bias, o_bias=bias and mt == "llama",
+                       head_dim=d.get("head_dim") or 0, rope_scaling=scaling, o_bias=bias and mt == "llama",
+                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))), attention_bias=bias,
+                       tie_embeddings=bool(d.get("tie_word_embeddings", True)),
                        extra={k: v for k, v in d.items() if k not in known}, **kw)
 
 
@@ -268,9 +269,7 @@ class Transformer(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
-        n0 = cache.n if cache is not None else 0
-        if cache is not None:
-            start = cache.start
+        n0, start = (cache.n, cache.start) if cache is not None else (0, start)
         if n0 + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         h = self.model.embed_tokens(idx)
@@ -301,9 +300,8 @@ class Transformer(nn.Module):
         h = self.model.norm(h[:, -1:] if last_only else h)
         return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
-    def new_cache(self, batch, max_len, start=None) -> KVCache:
-        w = self.model.embed_tokens.weight
-        return KVCache(self.config, batch, max_len, w.device, w.dtype, start)
+    def new_cache(self, batch, max_len, start=None) -> KVCache:  # on the weights' device, in their dtype
+        return KVCache(self.config, batch, max_len, (w := self.model.embed_tokens.weight).device, w.dtype, start)
 
     # --------------------------------------------------------------------------- Hugging Face folders
     @classmethod

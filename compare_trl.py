@@ -42,7 +42,7 @@ import cli
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
-from tasks import render_prompt
+from templates import render_prompt
 
 PRESETS = {  # bench.py's
     "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),

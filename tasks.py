@@ -1,4 +1,4 @@
-"""Problems for reasoning RL: synthetic generators, JSONL loaders for GSM8K / MATH, prompt templates.
+"""Problems for reasoning RL: synthetic generators, JSONL loaders for GSM8K / MATH, the Task a run draws from.
 
 1. arithmetic(seed, index): a chain like "8-18*3+13=" in a small synthetic language evaluated STRICTLY LEFT TO
    RIGHT, one binary step at a time (not school precedence: 8-18*3 means (8-18)*3). + and - take operands in
@@ -13,24 +13,22 @@
 3. Determinism: problem (seed, index) comes from its own random.Random seeded with the string
    "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so problem i never
    depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
-4. load_gsm8k / load_math read JSONL files; render_prompt wraps a question in a template; Task.chat renders it
-   through the checkpoint's chat template as transformers' apply_chat_template(..., add_generation_prompt=True) does.
+4. load_gsm8k / load_math read JSONL files; Task.prompt_text wraps a question in a template (templates.py): plain,
+   r1, boxed, or the checkpoint's chat template rendered as transformers' apply_chat_template does.
 5. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
    prompts as token ids, its cold-start targets and the verifier's score of a completion. seed_of(*keys) hashes
    integers into a seed that is the same on any number of ranks.
 
 Tests: python -m pytest -q tests/test_tasks.py
 """
-import functools
 import json
 import random
 import re
 from dataclasses import dataclass
-from datetime import datetime
 from fractions import Fraction
-from pathlib import Path
 
 import verify
+from templates import chat_template, render_prompt
 from verify import MAX_EXPR, eval_arith, extract_answer
 
 CHARS = "0123456789+-*/()=;#> "  # every character a synthetic prompt or solution can hold: a char-level vocabulary
@@ -172,60 +170,6 @@ def load_math(path) -> list[Problem]:
         problems.append(Problem(prompt=r["problem"], gold=gold, solution=r["solution"],
                                 level=int(level.group()) if level else 0))
     return problems
-
-
-TEMPLATES = {
-    "plain": "{question}",
-    # DeepSeek-R1-Zero style: reasoning in <think></think>, the final answer in <answer></answer>
-    "r1": ("A conversation between User and Assistant. The User asks a question and the Assistant solves it. "
-           "The Assistant first thinks through the reasoning process and then gives the User the answer. "
-           "The reasoning process is enclosed in <think> </think> tags and the answer in <answer> </answer> tags, "
-           "i.e. <think> reasoning process here </think> <answer> answer here </answer>.\n"
-           "User: {question}\nAssistant:"),
-    "boxed": "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-}
-
-
-def render_prompt(question: str, template: str = "plain") -> str:
-    """The question wrapped in a template: plain (unchanged), r1 (<think>/<answer> tags) or boxed (\\boxed{})."""
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; valid: {', '.join(TEMPLATES)}")
-    return TEMPLATES[template].format(question=question)
-
-
-def read_tokenizer_config(folder) -> dict:
-    """tokenizer_config.json as transformers reads it (chat_template.jinja wins over its key) plus "special_tokens"
-    ({"bos_token": "<s>", ...}), "eos_ids" (generation_config.json's eos_token_id, int or list), "name_or_path"."""
-    tc, tmap, gen = (json.loads(p.read_text("utf-8")) if (p := Path(folder, name)).is_file() else {}
-                     for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"))
-    d = {**tc, **({} if "added_tokens_decoder" in tc else tmap), "name_or_path": str(folder)}
-    if (jinja := Path(folder, "chat_template.jinja")).is_file():
-        d["chat_template"] = jinja.read_text("utf-8")
-    if isinstance(t := d.get("chat_template"), list):  # the older list of named templates: transformers takes "default"
-        d["chat_template"] = {x["name"]: x["template"] for x in t}.get("default")
-    d["special_tokens"] = {k: v["content"] if isinstance(v, dict) else v  # transformers' SPECIAL_TOKENS_ATTRIBUTES
-                           for k in [f"{n}_token" for n in "bos eos unk sep pad cls mask".split()] if (v := d.get(k))}
-    eos = gen.get("eos_token_id")
-    return {**d, "eos_ids": [eos] if isinstance(eos, int) else list(eos or [])}
-
-
-@functools.lru_cache(maxsize=8)
-def chat_template(source: str):
-    """A jinja2 chat template set up as transformers' apply_chat_template sets it up: sandboxed, trim_blocks and
-    lstrip_blocks, loop controls, raise_exception, strftime_now, tojson. transformers renders it with messages,
-    tools=None, documents=None, add_generation_prompt and the tokenizer's special tokens as variables."""
-    import jinja2.sandbox
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    # transformers' {% generation %} tag only records where assistant text is: a block tag that renders its body
-    return env.from_string(re.sub(r"(\{%-?\s*)(end)?generation(\s*-?%\})",
-                                  lambda m: m[1] + ("endif" if m[2] else "if true") + m[3], source))
 
 
 def seed_of(*keys) -> int:

@@ -33,6 +33,7 @@ import cli
 import grpo
 import infra
 import tasks
+import templates
 import verify
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
 from rollout import STOP_NAMES, generate, pad_batch, score
@@ -220,7 +221,7 @@ def build_run(cfg: Config) -> Run:
         model = Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
-    info = tasks.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
+    info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
     eos = [tok.token_to_id(info["special_tokens"].get("eos_token", "")), *info["eos_ids"]] if info else []
     eos = [i for i in eos if i is not None] or [tok.token_to_id(t) for t in STOP_NAMES]  # names: for our char folders
     stop_ids = [i for i in dict.fromkeys(eos) if i is not None]

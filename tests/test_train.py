@@ -428,7 +428,9 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 idx = torch.randint(0, 23, (4, 9), generator=torch.Generator().manual_seed(1))
 model(idx).logsumexp(-1).mean().backward()
 opt.step()
-infra.refresh(copy, model)
+infra.refresh(copy, model, lazy=True)  # what an optimizer step does: mark the copy stale, gather nothing yet
+assert copy.stale and all(torch.equal(copy.state_dict()[k], v) for k, v in before.items()), "a lazy refresh gathered"
+assert infra.sampling(copy, model) is copy and not copy.stale  # the next sampling gathers, once
 full = infra.full_state(model, rank0_only=False)[0]
 assert ptrs == [p.data_ptr() for p in copy.parameters()], "refresh moved the copy's tensors"
 assert all(torch.equal(copy.state_dict()[k], v) for k, v in full.items()), "copy != trained weights"
@@ -441,8 +443,9 @@ infra.teardown()
 
 @pytest.mark.slow
 def test_sampling_copy_equals_the_trained_weights_at_1_and_2_ranks(tmp_path):
-    """The plain sampling copy, refreshed in place after an AdamW step of the (FSDP2-sharded at 2 gloo ranks) policy,
-    equals the full trained weights on every rank, keeps its tensors' addresses, and 2 ranks train what 1 rank does."""
+    """The plain sampling copy, marked stale by an AdamW step of the (FSDP2-sharded at 2 gloo ranks) policy and
+    refreshed in place before sampling, equals the full trained weights on every rank, keeps its tensors' addresses,
+    and 2 ranks train what 1 rank does."""
     script = tmp_path / "refresh.py"
     script.write_text(REFRESH.format(root=ROOT))
     for n in (1, 2):

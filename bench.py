@@ -4,18 +4,21 @@
   3. the matmul-only bound of a decode step: N rows times every weight matrix of every layer plus the LM head,
      as plain F.linear calls on preallocated inputs, in a loop. ours / bound is the fraction of it we reach.
 Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling
-(T = 1, no top-k / top-p). Each number is the best of --repeats runs, since other processes share the cores, and
-the timed methods take turns (round r of ours, transformers and the bound, then round r + 1): this machine's speed
-drifts by up to 2x over minutes, so timing one method after another would skew their ratios.
-Settings are P×G×new-tokens; the first one is compared against all three, the others time ours alone (they show
-that cost follows generated tokens, not G × prompt length: a prompt is prefilled once per group).
+(T = 1, no top-k / top-p). Each number is the best of --repeats runs, the methods taking turns every round (this
+machine's speed drifts by up to 2x over minutes: timing one method after another would skew their ratios).
+Settings are P×G×new-tokens; the first one is compared against all three, the others time ours alone (cost follows
+generated tokens, not G × prompt length: a prompt is prefilled once per group).
 
 Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so the LM head weighs like a real one:
   2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
   20m: hidden 384, 12 layers, 6 heads / 2 KV heads of 64, FFN 1024  20.4M parameters
 
-  python bench.py --size 2m                 python bench.py --size 20m --repeats 2
+  python bench.py --size 2m                 python bench.py --size 20m --repeats 2 --static   (+ the compiled step)
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
+
+--device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped model in
+bf16, eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of the HBM roofline, and one RL
+step of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, sampling and training timed apart:  python bench.py --device cuda
 
 --logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
 backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
@@ -28,6 +31,7 @@ long and adversarial texts), one thread, and, if math-verify is importable (not 
 agreement with ours on the same mix:  python bench.py --verify
 """
 import argparse
+import itertools
 import json
 import resource
 import subprocess
@@ -40,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 import grpo
+import infra
+import train
 import verify
 from model import ModelConfig, Transformer
 from rollout import filter_logits, generate, pad_batch, score
@@ -115,10 +121,8 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
     torch.manual_seed(0)
     model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=vocab, hidden_size=64,
                                     n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=256, max_seq_len=512))
-    prompts = torch.randint(3, vocab, (rows, prompt_len)).tolist()
-    comps = torch.randint(3, vocab, (rows, new))
-    fn = partial(full_logits_logprobs, model, prompts, comps, 1.0) if method == "full" else \
-        partial(score, model, prompts, comps, 1.0)
+    prompts, comps = torch.randint(3, vocab, (rows, prompt_len)).tolist(), torch.randint(3, vocab, (rows, new))
+    fn = partial(full_logits_logprobs if method == "full" else score, model, prompts, comps, 1.0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -131,10 +135,8 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
                       "grad_norm": grad.item(), "params": sum(p.numel() for p in model.parameters())}))
 
 
-PRESETS = {
-    "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
-    "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
-}
+PRESETS = {"2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
+           "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024)}
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--size", default="2m", choices=sorted(PRESETS))
 p.add_argument("--ckpt", default="", help="a Hugging Face folder to load instead of a preset")
@@ -146,6 +148,7 @@ p.add_argument("--threads", type=int, default=2)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
+p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
 p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
 p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
 p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
@@ -154,41 +157,36 @@ args = p.parse_args()
 if args.logprobs:
     torch.set_num_threads(args.threads)
     if args.method:
-        bench_logprobs(args.method, args.vocab)
-        raise SystemExit
+        raise SystemExit(bench_logprobs(args.method, args.vocab))
     res = {}
     for method in ("full", "chunked", "full", "chunked"):  # alternating, best of two fresh processes each
-        out = subprocess.run([sys.executable, __file__, "--logprobs", f"--method={method}", f"--vocab={args.vocab}",
-                              f"--threads={args.threads}"], capture_output=True, text=True, check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        cmd = [sys.executable, __file__, "--logprobs", f"--method={method}", f"--vocab={args.vocab}",
+               f"--threads={args.threads}"]
+        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
         res[method] = min(res.get(method, r), r, key=lambda x: x["s"])
     f, c = res["full"], res["chunked"]
-    print(f"{f['params'] / 1e6:.1f}M params, V = {args.vocab:,}, 32 rows x (136 + 64) tokens, {args.threads} threads")
-    for r in (f, c):
-        print(f"{r['method']:>8}: {r['s']:6.2f} s forward + backward, peak RSS {r['peak_rss_gb']:5.2f} GB")
-    print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; "
-          f"|Δ sum log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad norm| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
+    print(f"{f['params'] / 1e6:.1f}M params, V = {args.vocab:,}, 32 rows x (136 + 64) tokens, {args.threads} threads\n"
+          + "\n".join(f"{r['method']:>8}: {r['s']:6.2f} s forward + backward, peak RSS {r['peak_rss_gb']:5.2f} GB"
+                      for r in (f, c)))
+    print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; |Δ sum "
+          f"log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
     print(json.dumps(res))
     raise SystemExit
 if args.verify:
     torch.set_num_threads(1)
-    bench_verify()
-    raise SystemExit
+    raise SystemExit(bench_verify())
 torch.set_num_threads(args.threads)
 dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
 
 
 def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    return torch.cuda.synchronize() if dev.type == "cuda" else None
 
 
 def timed(fn):
-    sync()
-    t0 = time.perf_counter()
+    t0 = sync() or time.perf_counter()  # sync() returns None
     fn()
-    sync()
-    return time.perf_counter() - t0
+    return sync() or time.perf_counter() - t0
 
 
 def best_times(jobs: dict, repeats: int) -> dict:
@@ -203,27 +201,76 @@ def best_times(jobs: dict, repeats: int) -> dict:
     return best
 
 
+# ------------------------------------------------------------------ GPU: eager vs captured decode, RL step
+QWEN05 = dict(model_type="qwen2", attention_bias=True, vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14,
+              n_kv_heads=2, intermediate_size=4864, max_seq_len=32768)  # Qwen2.5-0.5B's shapes, tied embeddings
+
+
+def bench_gpu(S=256, L=512, G=8):
+    """The GPU check (see the top): roofline fraction = bytes a decode step must read (every weight, each row's
+    filled KV slots) / time / the bandwidth of a device-to-device copy."""
+    t_start, gen, x = time.time(), torch.Generator().manual_seed(0), torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
+    bw = 2 * x.numel() / best_times({0: x.clone}, 5)[0]  # bytes read + written per second
+    with torch.device(dev):  # random weights: no stop token is ever likely, every row decodes all L tokens
+        model = Transformer(ModelConfig(**QWEN05)).to(torch.bfloat16).eval()
+    V, w_bytes = QWEN05["vocab_size"], 2 * sum(p.numel() for p in model.parameters())
+    kv_slot = 4 * QWEN05["n_layers"] * QWEN05["n_kv_heads"] * model.config.head_dim  # K and V bytes per token
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {w_bytes / 2 ** 30:.2f} GiB of bf16 weights, "
+          f"{kv_slot // 1024} KiB of KV per token; {S}-token prompts, {L} new tokens, T = 1, no stop token")
+    for rows in (64, 512):
+        prompts = torch.randint(3, V, (rows // G, S), generator=gen).tolist()
+        run = {m: partial(generate, model, prompts, G, L, seed=0, static=m == "captured")
+               for m in ("eager", "captured")}
+        t0 = time.time()
+        run["captured"]()  # torch.compile once (dynamic shapes), then a CUDA graph per (batch, width)
+        t1, best, need = time.time(), best_times(run, 2), L * w_bytes + rows * kv_slot * (S * L + L * (L - 1) // 2)
+        print(f"{rows} rows (first captured call {t1 - t0:.0f} s): " + ", ".join(
+            f"{m} {rows * L / sec:,.0f} tok/s = {need / bw / sec:.2f} of the HBM roofline" for m, sec in best.items())
+            + f"; captured / eager {best['eager'] / best['captured']:.1f}x")
+    counters = torch._dynamo.utils.counters  # a skipped CUDA graph or a graph break would show here
+    print(f"graph breaks: {dict(counters['graph_break'])}, CUDA graph skips: {counters['inductor']['cudagraph_skips']}")
+    # the preset's RL step on one GPU of 8 with train.py's pieces (FSDP2 on a 1-rank group, AdamW, the copy refreshed)
+    rl, proc = train.parse_args(["--config", "configs/qwen2.5-0.5b-gsm8k.toml"]), infra.setup("cuda")
+    with torch.device(dev):
+        run = train.Run(rl, proc, infra.shard(Transformer(ModelConfig(**QWEN05)), proc), None)
+    run.sampler, opt = infra.frozen_copy(run.model, dev), train.make_optimizer(run, rl.lr, 10)[0]
+    prompts = torch.randint(3, V, (rl.prompts_per_step // 8, S), generator=gen).tolist()
+    rows_p = [p for p in prompts for _ in range(rl.group_size)]
+    for step in range(2):
+        t0 = time.time()
+        comps = generate(run.sampler, prompts, rl.group_size, rl.max_new_tokens, seed=step).completion_ids.tolist()
+        t1 = time.time()
+        for rows in train.rank_micro_batches(run, rows_p, comps):
+            logp, _ = train.scores(run, run.model, rows_p, comps, rows, rl.temperature)
+            grpo.policy_loss(logp, logp.detach(), torch.randn(len(rows), device=dev), torch.ones_like(logp).bool(),
+                             agg="token_mean", loss_scale=logp.numel())[0].backward()
+        train.optimizer_step(run, opt), sync()
+        print(f"RL step {step}: sampling {t1 - t0:.1f} s ({len(comps)} rows x {rl.max_new_tokens} tokens), training "
+              f"{time.time() - t1:.1f} s ({len(comps) * (S + rl.max_new_tokens):,} tokens fwd + bwd, AdamW, refresh)")
+    print(f"total {time.time() - t_start:.0f} s")
+
+
+if args.device == "cuda" and not args.ckpt:
+    raise SystemExit(bench_gpu())
 # -------------------------------------------------------------------------------------------------- model
-if args.ckpt:
-    model = Transformer.from_pretrained(args.ckpt, device=dev, dtype=dtype).eval()
-else:
-    torch.manual_seed(0)
-    cfg = ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size])
-    model = Transformer(cfg).to(dev, dtype).eval()
+torch.manual_seed(0)
+model = Transformer.from_pretrained(args.ckpt) if args.ckpt else Transformer(ModelConfig(
+    model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size]))
+model = model.to(dev, dtype).eval()
 cfg = model.config
 n_params = sum(t.numel() for t in model.parameters())
 settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
-gen = torch.Generator().manual_seed(0)
-S = args.prompt_len
+gen, S = torch.Generator().manual_seed(0), args.prompt_len
 results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
            "threads": args.threads, "prompt_len": S}
 
 # -------------------------------------------------------------------- the timed jobs: name -> (fn, tokens)
 jobs = {}
-for P, G, new in settings:
+for i, (P, G, new) in enumerate(settings):
     prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
-    for T in (0.0, 1.0):
-        jobs[f"ours {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T, seed=0), P * G * new)
+    for T, static in itertools.product((0.0, 1.0), (False, True) if args.static and i == 0 else (False,)):
+        jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T,
+                                                                     seed=0, static=static), P * G * new)
 P, G, new = settings[0]
 N = P * G
 prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
@@ -244,14 +291,13 @@ try:
         assert out.shape == (N, S + new), out.shape
 
     hf_label = f"transformers {transformers.__version__}"
-    for T in (0.0, 1.0):
-        jobs[hf_label, T] = (partial(hf_run, T > 0), N * new)
+    jobs.update({(hf_label, T): (partial(hf_run, T > 0), N * new) for T in (0.0, 1.0)})
 except ImportError:
     hf_label = None
 
 # matmul-only bound: every weight matrix (and the LM head) times N rows, 20 decode steps' worth
-linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-mats = [(m.weight, m.bias) for m in linears] + ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
+mats = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + \
+    ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
 xs = [torch.randn(N, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
 
 
@@ -267,16 +313,13 @@ best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
 tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
 
 
-def pair(label):
-    return {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]}
-
-
+pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
 for P_, G_, new_ in settings:
-    results[f"ours_{P_}x{G_}x{new_}"] = pair(f"ours {P_}x{G_}x{new_}")
+    results[f"ours_{P_}x{G_}x{new_}"] = pair[f"ours {P_}x{G_}x{new_}"]
 if hf_label:
-    results["transformers"] = pair(hf_label)
+    results["transformers"] = pair[hf_label]
 bound = results["matmul_bound"] = tps["matmul-only bound", 0.0]
-rows = [(label, *pair(label).values()) for label, T in jobs if T == 1.0] + [("matmul-only bound", bound, bound)]
+rows = [(label, *pair[label].values()) for label in pair] + [("matmul-only bound", bound, bound)]
 
 
 # --------------------------------------------------------------------------------------- naive, no cache
@@ -300,8 +343,8 @@ print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.de
 print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}")
 for label, a, b in rows:
     print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}")
-hf = results.get("transformers")
-if hf:
-    print(f"{'ours / transformers':<44}{ours['greedy'] / hf['greedy']:>13.2f}x{ours['sampling'] / hf['sampling']:>15.2f}x")
+if hf := results.get("transformers"):
+    a, b = (ours[k] / hf[k] for k in ("greedy", "sampling"))
+    print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
 print(f"{'ours / matmul-only bound':<44}{ours['greedy'] / bound:>14.2f}{ours['sampling'] / bound:>16.2f}")
 print(json.dumps(results))

@@ -5,11 +5,10 @@
   2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the run's DEVICE
      (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
-     computes as eight do); `with unsharded(model):` all-gathers the weights once per rollout, not once per token.
+     computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily).
   4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
   5. Logger: a console line with an ETA, metrics.jsonl (one flat JSON object per line), W&B, the final table.
 """
-import contextlib
 import glob
 import json
 import os
@@ -21,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model import Transformer
 
@@ -97,26 +96,6 @@ def shard(model: Transformer, proc: Proc):
     return fully_shard(model, mp_policy=mp)
 
 
-@contextlib.contextmanager
-def unsharded(model):
-    """Inside, every FSDP-sharded parameter is all-gathered once (a rollout decodes many tokens: one gather, not one
-    per token), under bf16 autocast on CUDA; resharded on exit. A no-op for a plain module on one process."""
-    mods, dev = [m for m in model.modules() if isinstance(m, FSDPModule)], model.model.embed_tokens.weight.device
-    if mods and model._get_fsdp_state()._is_root is None:
-        with torch.no_grad():  # FSDP2 initialises lazily in the first forward; an unshard() before it breaks later ones
-            model(torch.zeros(1, 1, dtype=torch.long, device=dev))
-    for m in mods:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
-    try:
-        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-            yield
-    finally:
-        for m in mods:  # back to FSDP2's defaults: blocks reshard after forward, the root keeps its weights
-            m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)
-
-
 def full_state(model, opt=None, rank0_only=True):
     """Unsharded model (and optimizer) state dicts; every rank calls (all-gather), rank0_only: empty on the others."""
     if not dist.is_initialized():
@@ -127,10 +106,33 @@ def full_state(model, opt=None, rank0_only=True):
 
 
 def frozen_copy(model, device) -> Transformer:
-    """A frozen unsharded copy (π_ref) in the compute dtype, bf16 on CUDA as FSDP computes: KL 0 at the start."""
+    """A plain unsharded copy in the compute dtype, bf16 on CUDA as FSDP computes (π_ref: KL 0 at the start; the
+    sampling weights: 2 bytes/param per rank, decoding outside FSDP's hooks, never a gather per token)."""
     ref = Transformer(model.config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ref.load_state_dict({k: v.to(device) for k, v in full_state(model, rank0_only=False)[0].items()})
+    refresh(ref, model)
     return ref.requires_grad_(False).eval()
+
+
+def refresh(copy, model, lazy=False):
+    """copy ← model's full weights (every rank all-gathers), in place: a CUDA graph captured on copy's tensors reads
+    the new weights at the same addresses. lazy (an optimizer step, a reset): only mark the copy stale, sampling()
+    gathers once before the next rollout, not after every SFT step. A no-op without a copy."""
+    if copy is not None and not lazy:
+        copy.load_state_dict(full_state(model, rank0_only=False)[0])
+    if copy is not None:
+        copy.stale = lazy
+
+
+def sampling_copy(model, proc: Proc) -> Transformer | None:
+    """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None: sample `model`."""
+    return frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
+
+
+def sampling(copy, model):
+    """generate's module: `model`, or its copy, re-gathered if stale (every rank calls: all gather or none does)."""
+    if copy is not None and copy.stale:
+        refresh(copy, model)
+    return model if copy is None else copy
 
 
 def load_optimizer(model, opt, sd: dict):

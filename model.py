@@ -8,7 +8,8 @@ The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
                 h += down_proj(silu(gate_proj(RMSNorm(h))) * up_proj(RMSNorm(h)))           SwiGLU
   3. logits = lm_head(RMSNorm(h))   (lm_head tied to embed_tokens or not)        [B, T, V]
 RoPE (Su et al. 2021), half-split ("rotate_half") layout as in Hugging Face: for frequency i < D/2,
-  θ_i = base^(−2i/D), (x_i, x_{i+D/2}) at position p  →  (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
+  θ_i = base^(−2i/D); at position p the pair (x_i, x_{i+D/2}) →
+      (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
 Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s is
 s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it never yields NaN).
 Module names are Hugging Face's, so state_dict() keys are checkpoint tensor names: loading is strict=True.
@@ -91,9 +92,9 @@ def config_from_hf(d: dict, where: str) -> ModelConfig:
     known = {k for _, k in HF_KEYS} | {"model_type", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
                                        "rope_parameters", "tie_word_embeddings", "attention_bias"}
     return ModelConfig(model_type=mt, n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                       head_dim=d.get("head_dim") or 0, rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))),
-                       rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", True)),
-                       attention_bias=bias, o_bias=bias and mt == "llama",
+                       head_dim=d.get("head_dim") or 0, rope_scaling=scaling, o_bias=bias and mt == "llama",
+                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))), attention_bias=bias,
+                       tie_embeddings=bool(d.get("tie_word_embeddings", True)),
                        extra={k: v for k, v in d.items() if k not in known}, **kw)
 
 
@@ -176,16 +177,17 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One new token per row: x [B, 1, C], cos/sin [B, 1, D], bias [B·H_kv, 1, S] (0, or −inf on pads). With one
-        query per row SDPA's CPU kernel is slower than two batched matmuls over each K/V head's group of queries."""
-        B, Hkv, D, n = x.shape[0], self.Hkv, self.D, cache.n
-        q = apply_rope(self.q_proj(x).view(B, self.H, D), cos, sin)                  # [B, H, D]
-        cache.k[layer, :, :, n] = apply_rope(self.k_proj(x).view(B, Hkv, D), cos, sin)
-        cache.v[layer, :, :, n] = self.v_proj(x).view(B, Hkv, D)
-        k = cache.k[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)                 # [B·H_kv, S, D], a view
-        v = cache.v[layer, :, :, :n + 1].reshape(B * Hkv, n + 1, D)
-        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), k.transpose(1, 2), alpha=D ** -0.5)
-        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(v.dtype), v)           # [B·H_kv, H/H_kv, D]
+        """One new token per row, its K/V written at slot cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D], sin's first
+        half negated (x·cos + roll(x, D/2)·sin: apply_rope's arithmetic in 4 ops, not 6), bias [B·H_kv, 1, W]
+        (−inf: pad or future slot). One query per row: two batched matmuls per K/V head group beat SDPA on CPU."""
+        B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
+        q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
+                                                             self.k_proj(x).view(B, Hkv, 1, D)))
+        kc, vc = cache.k[layer], cache.v[layer]                                      # [B, H_kv, max_len, D]
+        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = k, self.v_proj(x).view(B, Hkv, 1, D)
+        kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))              # [B·H_kv, W, D], views
+        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2), alpha=D ** -0.5)
+        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(vc.dtype), vc)         # [B·H_kv, H/H_kv, D]
         return self.o_proj(y.view(B, 1, self.H * D))
 
 
@@ -214,34 +216,30 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values, [B, H_kv, max_len, D] per layer, filled left to right at one shared slot counter
-    `n` (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
-    first real slot. Allocated once per rollout and passed into forward; never a buffer on the module. Also holds
-    what decode steps would rebuild: RoPE cos/sin per position, and an attention bias per row and slot (−inf: pad)."""
+    """Preallocated keys/values, [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
+    shared slot (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
+    first real slot; `n` counts the filled slots on the host and `slot` on the device. A decode step attends over
+    n + 1 slots, or over `width` (a static step: no Python int changes per token), masked from (start, slot); the
+    RoPE cos/sin per position are here too. Passed into forward, never a buffer on the module."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # a tensor per layer: a compiled step writes in place
+        self.k, self.v = ([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)] for _ in "kv")
         self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
-        self.n = 0
+        self.n, self.slot, self.width = 0, torch.zeros((), dtype=torch.long, device=device), None
         self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
-        pad = torch.arange(max_len, device=device)[None] < self.start[:, None]
-        self.bias = torch.zeros(batch, max_len, device=device, dtype=dtype).masked_fill_(pad, float("-inf"))
 
-    def write(self, layer, k, v):
-        T = k.shape[2]
-        self.k[layer, :, :, self.n:self.n + T] = k
-        self.v[layer, :, :, self.n:self.n + T] = v
-        return self.k[layer, :, :, :self.n + T], self.v[layer, :, :, :self.n + T]
+    def write(self, layer, k, v):  # a chunk at slots [n, n + T): returns the slots written so far
+        n, T = self.n, k.shape[2]
+        self.k[layer][:, :, n:n + T], self.v[layer][:, :, n:n + T] = k, v
+        return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
         """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,
         a subset drops finished rows. Advanced indexing copies, so the result owns its memory."""
         new = KVCache.__new__(KVCache)
-        new.k, new.v = self.k[:, rows], self.v[:, rows]
-        new.start, new.n = self.start[rows], self.n
-        new.cos, new.sin, new.bias = self.cos, self.sin, self.bias[rows]
+        new.k, new.v, new.start = [k[rows] for k in self.k], [v[rows] for v in self.v], self.start[rows]
+        new.n, new.slot, new.width, new.cos, new.sin = self.n, self.slot.clone(), self.width, self.cos, self.sin
         return new
 
 
@@ -271,17 +269,17 @@ class Transformer(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
-        n0 = cache.n if cache is not None else 0
-        if cache is not None:
-            start = cache.start
+        n0, start = (cache.n, cache.start) if cache is not None else (0, start)
         if n0 + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         h = self.model.embed_tokens(idx)
-        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask come from the cache's tables
-            pos = (n0 - start).clamp_(min=0)[:, None]                                    # [B, 1]
-            cos, sin = cache.cos[pos], cache.sin[pos]                                    # [B, 1, D]
-            mask = torch.cat((cache.bias[:, :n0], cache.bias.new_zeros(B, 1)), 1)       # a row always sees itself
-            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, S] bias
+        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask from (start, slot), on the device
+            keys, slot = torch.arange(cache.width or n0 + 1, device=idx.device), cache.slot         # [W], 0-d
+            cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]] for t in (cache.cos, cache.sin))  # [B,1,1,D]
+            sin = torch.cat((-sin[..., :sin.shape[-1] // 2], sin[..., sin.shape[-1] // 2:]), -1)  # rotate_half's signs
+            ok = (keys <= slot) & ((keys >= start[:, None]) | (keys == slot))  # no pads or future; a row sees itself
+            mask = torch.zeros(B, len(keys), dtype=h.dtype, device=idx.device).masked_fill_(~ok, float("-inf"))
+            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, W] bias
         else:
             slots = torch.arange(n0, n0 + T, device=idx.device)                       # [T]
             cos, sin = rope_cos_sin(self.config, T, idx.device, h.dtype) if cache is None else (cache.cos, cache.sin)
@@ -297,13 +295,13 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             h = block(h, cos, sin, mask, cache, i)
         if cache is not None:
-            cache.n += T
+            cache.slot += T
+            cache.n += 0 if cache.width else T
         h = self.model.norm(h[:, -1:] if last_only else h)
         return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
-    def new_cache(self, batch, max_len, start=None) -> KVCache:
-        w = self.model.embed_tokens.weight
-        return KVCache(self.config, batch, max_len, w.device, w.dtype, start)
+    def new_cache(self, batch, max_len, start=None) -> KVCache:  # on the weights' device, in their dtype
+        return KVCache(self.config, batch, max_len, (w := self.model.embed_tokens.weight).device, w.dtype, start)
 
     # --------------------------------------------------------------------------- Hugging Face folders
     @classmethod

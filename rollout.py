@@ -3,7 +3,7 @@
 N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
   1. Left-pad the P distinct prompts to S tokens and prefill them once into a KVCache (start = pad counts),
      keeping the last position's logits [P, V].
-  2. Repeat each prompt's cache rows and logits G times (cache.index_rows(arange(P).repeat_interleave(G))):
+  2. Repeat each prompt's cache rows and logits G times (decode.batch with rows arange(P).repeat_interleave(G)):
      a prompt is prefilled once per group, never once per sample.
   3. Each step, turn logits into the sampling distribution z = filter(logits / T): top-k, then top-p (nucleus),
      everything else −inf, the most likely token always kept. Sample x by inverting the CDF: with p ∝ exp z,
@@ -12,8 +12,12 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      never on its batch-mates or on when finished rows are dropped. (The CDF is summed in float64. Gumbel-max
      would need a hash per token of the vocabulary, V times the noise: 15% of a step at V = 4096.)
   4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is done.
-  5. When the live rows have fallen to 3/4 of the batch since the last compaction, drop the done rows from the
-     batch and the cache (a copy, so not every step); stop when no row is live or after max_new_tokens.
+     Steps 3-4 are decode.step, one function for both loops below.
+  5. Eager (the CPU default): when the live rows have fallen to 3/4 of the batch since the last compaction, drop
+     the done rows from the batch and the cache (a copy, so not every step); a host check every step. Static (the
+     CUDA default, torch.compile + CUDA graphs): done rows stay in the captured batch, masked; every CHECK_EVERY
+     steps the host looks, and once the live rows fit in half the batch, they move to a half-size (or smaller)
+     batch. Both stop when no row is live or after max_new_tokens, with the same tokens and log-probs.
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. score() is
 generate's twin on the trainer side: one causal forward over prompt + completion, the same filter_logits, so the
@@ -30,11 +34,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import decode
+from decode import Decoder, batch, compiled_step, filter_logits, persistent, record, sample, step  # noqa: F401
+
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 20m models, 64 rows, mean length ~55)
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
+CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
+MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
+WIDTH_STEP = {"cuda": 128}  # static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA
+                            # graph per width), exactly the filled slots elsewhere (no graphs to record)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -77,37 +88,6 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
     """keys [B] random int64 (one per row and position) -> u [B] float64, uniform in (0, 1) from their top 52 bits
     (k + 1/2) / 2^52: never exactly 0 or 1 (with 53 bits, k + 1/2 would round up to 2^53)."""
     return (keys >> 12).bitwise_and_((1 << 52) - 1).double().add_(0.5).mul_(2.0 ** -52)
-
-
-def sample(z: torch.Tensor, u: torch.Tensor | None):
-    """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
-    whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
-    predecessor's); without (greedy), argmax z."""
-    if u is None:
-        tok = z.argmax(-1)
-        return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
-    p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
-    c = p.double().cumsum_(-1)                                                          # [B, V] float64
-    tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range
-    return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """[..., V] logits -> float32 logits of the sampling distribution: logits / T, then −inf outside the top-k
-    (ties with the k-th value are kept) and outside the smallest set of most likely tokens with mass >= top_p."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits are scored in float32
-    if temperature == 0:  # greedy: the raw distribution
-        return z
-    if temperature != 1:
-        z = z / temperature
-    if 0 < top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
-    if top_p < 1:  # drop a token when the more likely tokens before it already reach top_p (the first never is)
-        zs, order = z.sort(dim=-1, descending=True)
-        p = zs.softmax(-1)
-        drop = (p.cumsum(-1) - p) >= top_p
-        z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return z
 
 
 def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
@@ -200,61 +180,61 @@ def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_
 
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
-             seed=None, pad_id=0) -> Rollout:
-    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows."""
+             seed=None, pad_id=0, static=None) -> Rollout:
+    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G rows. static
+    (default: on CUDA) runs the compiled static step, else the same step eagerly; both sample the same tokens."""
     _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     dev = model.model.embed_tokens.weight.device
+    static = dev.type == "cuda" if static is None else static
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
+    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
+    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks, and
+    if static:  # as many as any static batch of this model and L has: one set of buffers per batch size)
+        W = max([W] + [len(c.cos) for key, (c, _) in decode._BUFFERS.get(model, {}).items() if key[-1] == L and c])
     seeds = row_seeds(seed, N, dev)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
-    start = torch.tensor([S - len(p) for p in prompts], device=dev)                          # [P]
-    cache = model.new_cache(P, S + L, start=start)
+    cache = model.new_cache(P, W, start=torch.tensor([S - len(p) for p in prompts], device=dev))
     logits = model(idx, cache, last_only=True)[:, -1]                                         # [P, V]
-    # 2. G rows share each prompt's prefill
-    group = torch.arange(P, device=dev).repeat_interleave(G)                                 # [N]
-    cache, logits = cache.index_rows(group), logits[group]                                   # [N, V]
-    # one uniform per (row, position), drawn up front: noise never depends on the batch a row is in
+    cache.width = W if static else None
+    # 2. G rows share each prompt's prefill; one uniform per (row, position), drawn up front: noise never depends
+    # on the batch a row is in. The outputs have a row N more, where a static batch's padding rows write.
+    group, rows = torch.arange(P, device=dev).repeat_interleave(G), torch.arange(N, device=dev)   # [N], [N]
     noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))        # [N, L] float64
+    def outputs():  # ids, log-probs, mask [N + 1, L]
+        return None, [torch.empty(N + 1, L, dtype=t, device=dev) for t in (torch.long, torch.float, torch.bool)]
+    out = (persistent(model, ("out", N, L), outputs) if static else outputs())[1]
+    for buf, v in zip(out, (pad_id, 0.0, False)):
+        buf.fill_(v)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
-    out_ids = torch.full((N, L), pad_id, dtype=torch.long, device=dev)
-    out_lp = torch.zeros(N, L, dtype=torch.float32, device=dev)
-    out_mask = torch.zeros(N, L, dtype=torch.bool, device=dev)
-    rows = torch.arange(N, device=dev)      # [B] output row of each batch row; B shrinks at compactions
-    live = torch.ones(N, dtype=torch.bool, device=dev)  # [B] no stop token yet
-    steps, t0, batch_at_compaction = [], 0, N  # (token, logprob, live) per step since the last flush
-
-    def flush(t1):  # write the buffered steps t0..t1-1 of the current batch into the outputs
-        tok, lp, lv = (torch.stack(x, 1) for x in zip(*steps))                                # [B, t1 - t0]
-        out_ids[rows, t0:t1] = tok.masked_fill(~lv, pad_id)
-        out_lp[rows, t0:t1] = lp.masked_fill(~lv, 0.0)
-        out_mask[rows, t0:t1] = lv
-        steps.clear()
-
-    for t in range(L):
-        # 3. sample from the filtered distribution, 4. record the token and its log-prob
-        z = filter_logits(logits, temperature, top_k, top_p)                                 # [B, V] float32
-        tok, logp = sample(z, noise[:, t] if temperature > 0 else None)                      # [B], [B]
-        steps.append((tok, logp, live))
-        if t == L - 1:
-            break
-        if len(stop):
-            live = live & ~torch.isin(tok, stop)
-            n_live = int(live.sum())  # the one host sync per step
+    d = Decoder(cache, *[None] * 4, rows.new_zeros(()), out, stop, (temperature, top_k, top_p, pad_id))  # t=0 and co.
+    d = batch(model, d, cache, group, (rows.new_zeros(N), rows >= 0, rows, noise), static)   # the N-row batch
+    record(d, logits[group])                                                                 # 3-4. token 0
+    run, batch_at_compaction = compiled_step(dev.type) if static else step, N
+    for t in range(1, L):
+        if len(d.stop) and (not static or t % CHECK_EVERY == 0):  # the host sync: every step eagerly, every
+            n_live, B = int(d.live.sum()), len(d.tok)                            # CHECK_EVERY steps statically
             if n_live == 0:
                 break
-            if n_live <= COMPACT_AT * batch_at_compaction:  # 5. drop finished rows from the batch and the cache
-                flush(t + 1)
-                t0, batch_at_compaction = t + 1, n_live
-                keep = live.nonzero()[:, 0]
-                cache, rows, live, tok, noise = cache.index_rows(keep), rows[keep], live[keep], tok[keep], noise[keep]
-        logits = model(tok[:, None], cache)[:, -1]                                             # [B, V]
-    flush(t + 1)
-    truncated = torch.zeros(N, dtype=torch.bool, device=dev)
-    truncated[rows] = live & ~torch.isin(tok, stop)  # still live after the last token: never stopped
-    mask = out_mask[:, :t + 1]  # L = t + 1 steps were run
-    return Rollout(out_ids[:, :t + 1], mask, out_lp[:, :t + 1], truncated, mask.sum(1), seeds)
+            if static and n_live <= B // 2 and B > MIN_BUCKET:  # a half-size (or smaller) captured batch
+                while B // 2 >= max(n_live, MIN_BUCKET):
+                    B //= 2
+            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # the live rows, exactly
+                B = batch_at_compaction = n_live
+            if B < len(d.tok):  # 5. drop finished rows; a static batch pads with not-live copies of a kept row
+                keep = d.live.nonzero()[:, 0]
+                sel, pad = torch.cat((keep, keep[:1].expand(B - n_live))), torch.arange(B, device=dev) >= n_live
+                d = batch(model, d, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
+                                                   d.noise[sel]), static)
+        if static:  # attend over the filled slots rounded up to a chunk: a CUDA graph per (batch, width)
+            d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
+        run(model, d)                                                                        # 3-4. token t
+    ids, lp, mask = (x[:N] for x in out)
+    lengths = mask.sum(1)
+    n = int(lengths.max())  # the longest row: the steps that produced a token
+    truncated = torch.zeros(N + 1, dtype=torch.bool, device=dev).index_put_((d.rows,), d.live)[:N]
+    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), truncated, lengths, seeds)
 
 
 def main():

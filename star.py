@@ -192,6 +192,7 @@ def main(cfg: StarConfig) -> dict:
             with torch.no_grad():
                 for p, b in zip(run.model.parameters(), base):
                     p.copy_(b)
+            infra.refresh(run.sampler, run.model, lazy=True)  # M_0 again: sampling re-gathers it
         opt, sched = train.make_optimizer(run, cfg.expert_lr, cfg.expert_sft_steps)
         losses = []
         for s, idx in enumerate(batches(cfg, len(data), it)):

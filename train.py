@@ -128,12 +128,12 @@ class Config:
     grad_clip: float = 1.0
     max_bad_steps: int = 3              # consecutive non-finite steps before the run stops
     # --- evaluation and checkpoints
-    eval_every: int = 400
+    eval_every: int = 400               # held-out eval every K steps (0: only at the end of each stage)
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
     eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
     eval_batch: int = 64                # held-out problems per sampling call, all ranks (bounds the KV cache)
-    ckpt_every: int = 100
+    ckpt_every: int = 100               # checkpoint every K steps (0: only at the end)
     keep_ckpts: int = 2                 # newest checkpoints kept (0: all)
     save_dtype: str = ""                # step_N/ weights: "" the source folder's dtype (float32 for a fresh model)
 
@@ -182,6 +182,7 @@ class Run:
     model: torch.nn.Module              # the policy π_θ, FSDP2-sharded when world > 1
     task: tasks.Task                    # problems, prompts, tokenizer (task.tok), stop ids, verifier
     ref: Transformer | None = None      # π_ref, a frozen unsharded copy (β > 0 only)
+    sampler: Transformer | None = None  # the policy's weights outside FSDP (sharded or CUDA runs), for generate
 
 
 @dataclass
@@ -221,8 +222,9 @@ def build_run(cfg: Config) -> Run:
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
-    stop_ids = templates.stop_ids(tok, info, STOP_NAMES)
-    return Run(cfg, proc, infra.shard(model.to(proc.device), proc), tasks.Task(cfg, tok, stop_ids, info))
+    model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy when FSDP shards (infra.sampling)
+    return Run(cfg, proc, model, tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info),
+               sampler=infra.sampling_copy(model, proc))
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -250,9 +252,9 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    with infra.unsharded(run.model):  # every rank gathers the weights, even one with no prompts
-        ro = mine and generate(run.model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                               top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
+    model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
+    ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
+                           top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
     groups, (ids, mask, lp, cut) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
                                                            ro.truncated)] if mine else [None] * 4
     for a, j in enumerate(mine):
@@ -357,6 +359,7 @@ def optimizer_step(run: Run, opt) -> torch.Tensor:
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if torch.isfinite(norm):
         opt.step()
+        infra.refresh(run.sampler, run.model, lazy=True)  # gathered before the next sampling
     opt.zero_grad(set_to_none=True)
     return norm
 
@@ -578,11 +581,11 @@ def main(cfg: Config) -> dict:
             run.ref = infra.frozen_copy(run.model, run.proc.device)
         stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60)
         total = step if stop else total
-        if step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
+        if cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
             logger.log(step, stage, ev := evaluate(run, step, logger))
             if step in (cfg.sft_steps, total):  # the end of a stage: its column of the final table
                 results[stage] = ev
-        if (step % cfg.ckpt_every == 0 or step == total) and state.bad_steps == 0:
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total) and state.bad_steps == 0:
             save(run, state, step, stage, opt, sched)
         if stop:
             break

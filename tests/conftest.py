@@ -77,7 +77,8 @@ def build_folder(path, family="qwen", dtype=torch.float32, chat_template=True, b
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     import templates
-    tok.train_from_iterator([q + " " + a for q, a in GSM8K] + [QWEN_SYSTEM, templates.TEMPLATES["r1"]], trainers.BpeTrainer(
+    corpus = [q + " " + a for q, a in GSM8K] + [QWEN_SYSTEM, templates.TEMPLATES["r1"]]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.add_special_tokens(f["specials"])
     ids = {t: tok.token_to_id(t) for t in f["specials"]}

@@ -1,6 +1,7 @@
 """The CUDA path, for a developer with a GPU: python -m pytest -q -s tests/test_cuda.py (skipped without CUDA).
 
-bf16 against float32 logits; generate on CUDA, and the trainer's bf16 scores of its samples; a few SFT + RL steps
+bf16 against float32 logits; the captured (CUDA graph) decode step against the eager one; generate on CUDA, and
+the trainer's bf16 scores of its samples; a few SFT + RL steps
 at world size 1 (FSDP2 on a 1-rank group: the dtypes of world size 8) with π_ref in bf16; the peak memory of one
 RL micro-batch's log-probs at Qwen's 151,936-token vocabulary (printed); with 2+ GPUs, the smoke run on 2 NCCL
 ranks against 1 rank.
@@ -41,6 +42,20 @@ def test_bf16_logits_follow_float32():
         err = (x - ref).abs().max().item()
         print(f"max |log-prob bf16 - fp32| = {err:.4f}")
         assert err < 0.1 and (x.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
+def test_captured_decoding_samples_what_eager_decoding_samples():
+    """float32, a vocabulary above decode.TWO_LEVEL_ABOVE (the two-level inverse CDF), stop ids that end rows apart
+    (buckets halve), greedy and sampled: the same tokens; log-probs to 1e-4 (attention over more, masked slots)."""
+    m = qwen(vocab=16384)
+    prompts, stop = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]], list(range(3, 16384, 97))
+    for T in (0.0, 1.0):
+        eager = generate(m, prompts, 8, 48, temperature=T, stop_ids=stop, seed=0, static=False)
+        captured = generate(m, prompts, 8, 48, temperature=T, stop_ids=stop, seed=0, static=True)
+        assert torch.equal(eager.completion_ids, captured.completion_ids)
+        assert torch.equal(eager.lengths, captured.lengths)
+        assert (eager.logprobs - captured.logprobs).abs().max() < 1e-4
+        print(f"T = {T}: lengths {sorted(set(eager.lengths.tolist()))}")
 
 
 def test_generate_on_cuda_and_the_trainer_scores_it_the_same_way():

@@ -3,6 +3,8 @@ frequencies of sampled tokens, and a pure-Python splitmix64."""
 import pytest
 import torch
 
+import decode
+import rollout
 from model import KVCache, ModelConfig, Transformer
 from rollout import HeadLogProbs, filter_logits, generate, mix64, pad_batch, sample, score, uniform
 
@@ -261,6 +263,100 @@ def test_head_log_probs_do_not_depend_on_the_chunk():
     assert torch.allclose(outs[0][1], -(z.exp() * z).sum(-1), atol=1e-12)
     for o in outs[1:]:
         assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(o, outs[0]))
+
+
+def one_level(z, u):
+    """The reference search: the same probabilities on the 2^-52 grid, one cumsum over the whole vocabulary."""
+    c = (z.softmax(-1).double() * 2.0 ** 52).floor().cumsum(-1)
+    return torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
+
+
+@pytest.mark.parametrize("V", [5, 1024, 3000, 4096])
+def test_two_level_cdf_picks_the_one_level_token(V, monkeypatch):
+    """The two-level search against one cumsum over the same rounded probabilities, for u on, just below and just
+    above every tested cumulative value: adversarial rows (all mass on one token, ties, a kept set of one, zero
+    blocks and zeros on both sides of every block edge, a tail block)."""
+    monkeypatch.setattr(decode, "CDF_BLOCK", 16 if V == 5 else 256)  # V = 5: the tail block only
+    monkeypatch.setattr(decode, "TWO_LEVEL_ABOVE", {"cpu": 0})  # two levels on CPU too
+    torch.manual_seed(V)
+    K, inf = decode.CDF_BLOCK, float("-inf")
+    rows = [torch.randn(V), torch.full((V,), inf).index_fill(0, torch.tensor([V - 1]), 0.0),  # mass in one token
+            torch.zeros(V), torch.randn(V).round(),                                          # ties everywhere
+            torch.full((V,), inf).index_fill(0, torch.tensor([0]), 3.0),                     # a kept set of one
+            torch.randn(V) * 30]                                                             # nearly one-hot
+    edges = torch.randn(V)  # whole blocks of zeros, and zeros on each side of every block edge
+    edges[(torch.arange(V) % K == 0) | (torch.arange(V) % K == K - 1) | (torch.arange(V) // K % 2 == 1)] = inf
+    z = torch.stack(rows + [edges, torch.where(torch.arange(V) % 2 == 0, 0.0, inf)])          # [R, V]
+    R = len(z)
+    c = (z.softmax(-1).double() * 2.0 ** 52).floor().cumsum(-1)
+    # u on every cumulative value, just below and above it, and at the extremes of the uniforms
+    at = (c[:, torch.linspace(0, V - 1, min(V, 40)).long()] / c[:, -1:]).T                   # [40, R]
+    us = torch.cat([at, at.nextafter(torch.zeros(())), at.nextafter(torch.ones(())),
+                    torch.rand(200, R, dtype=torch.float64), torch.full((1, R), 2.0 ** -53),
+                    torch.full((1, R), 1 - 2.0 ** -53)]).clamp(2.0 ** -53, 1 - 2.0 ** -53)
+    for u in us:
+        tok, lp = sample(z, u)
+        assert torch.equal(tok, one_level(z, u))
+        assert torch.isfinite(z.gather(1, tok[:, None])).all()  # never a filtered token
+        assert torch.allclose(lp, z.log_softmax(-1).gather(1, tok[:, None])[:, 0], atol=1e-5)
+
+
+@pytest.fixture
+def static_sizes(monkeypatch):
+    """The static step run as plain PyTorch (its shapes and arithmetic, no compiler): the batch size of each call;
+    buckets halve down to 2 rows, the host looks every 3 steps, attention reads slots in chunks of 8 as on CUDA
+    (the slots past the filled ones: masked, and stale after a first call)."""
+    sizes = []
+    monkeypatch.setattr(rollout, "compiled_step", lambda device_type: lambda m, d: sizes.append(len(d.tok)) or
+                        decode.step(m, d))
+    monkeypatch.setattr(rollout, "MIN_BUCKET", 2)
+    monkeypatch.setattr(rollout, "CHECK_EVERY", 3)
+    monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})
+    return sizes
+
+
+@pytest.mark.parametrize("T,k,p", [(0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_static_step_samples_what_the_eager_path_samples(T, k, p, static_sizes):
+    """Same tokens, mask, truncation and log-probs (float32), left-padded prompts of 2-7 tokens, GQA, rows stopping
+    at different steps; finished rows stay in the captured batch, which halves only at host checks."""
+    m = tiny()
+    for G in (1, 4):
+        static_sizes.clear()
+        eager = generate(m, PROMPTS, G, 24, T, k, p, stop_ids=STOP, seed=11)
+        static = generate(m, PROMPTS, G, 24, T, k, p, stop_ids=STOP, seed=11, static=True)
+        assert rows_of(static) == rows_of(eager) and static.completion_ids.shape == eager.completion_ids.shape
+        assert torch.equal(static.completion_mask, eager.completion_mask)
+        assert torch.equal(static.truncated, eager.truncated) and torch.equal(static.lengths, eager.lengths)
+        assert (static.logprobs - eager.logprobs).abs().max() < 2e-5
+        assert static_sizes[0] == 4 * G and set(static_sizes) <= {16, 8, 4, 2}
+        changes = [i for i in range(1, len(static_sizes)) if static_sizes[i] != static_sizes[i - 1]]
+        assert all(static_sizes[i] < static_sizes[i - 1] and (i + 1) % 3 == 0 for i in changes)  # call i: step i + 1
+    assert len(set(eager.lengths.tolist())) >= 3 and min(static_sizes) < 16  # rows stopped apart; batches halved
+    ptrs = {key: [x.data_ptr() for x in v[1]] for key, v in decode._BUFFERS[m].items()}
+    again = generate(m, PROMPTS, 4, 24, T, k, p, stop_ids=STOP, seed=11, static=True)
+    assert rows_of(again) == rows_of(eager)  # a second call runs in the same buffers: a captured graph's addresses
+    assert ptrs == {key: [x.data_ptr() for x in v[1]] for key, v in decode._BUFFERS[m].items()}
+
+
+def test_static_step_compiles_to_one_graph(monkeypatch):
+    """torch._dynamo.explain of the decode step: one graph, no graph break; then the step traced by dynamo
+    (backend "eager": dynamo's graph without inductor, seconds on CPU) samples what the eager path samples."""
+    m, seen = tiny(), []
+    torch._dynamo.reset()
+    compiled = torch.compile(decode.step, fullgraph=True, dynamic=True, backend="eager")
+
+    def run(model, d):  # explain runs the step it traces: the first step is explain's
+        if seen:
+            return compiled(model, d)
+        seen.append(torch._dynamo.explain(decode.step)(model, d))
+        torch._dynamo.reset()  # else the compiled step would reuse explain's cached code, unchecked for breaks
+    monkeypatch.setattr(rollout, "compiled_step", lambda device_type: run)
+    monkeypatch.setattr(rollout, "MIN_BUCKET", 2)
+    eager = generate(m, PROMPTS, 4, 20, 0.9, 6, 1.0, stop_ids=STOP, seed=2)
+    static = generate(m, PROMPTS, 4, 20, 0.9, 6, 1.0, stop_ids=STOP, seed=2, static=True)
+    torch._dynamo.reset()
+    assert seen[0].graph_count == 1 and seen[0].graph_break_count == 0, seen[0].break_reasons
+    assert rows_of(static) == rows_of(eager) and (static.logprobs - eager.logprobs).abs().max() < 2e-5
 
 
 @pytest.mark.parametrize("family,base,ends", [("llama", False, ("<|end_of_text|>", "<|eot_id|>")),

@@ -335,6 +335,13 @@ def test_rl_minutes_stops_the_run_with_a_final_eval_and_checkpoint(tmp_path):
     assert "rl" in results and infra.complete_checkpoints(out)[-1] == last
 
 
+def test_eval_and_ckpt_every_zero_mean_only_at_the_ends(tmp_path):
+    out = tmp_path / "ends"
+    train.main(train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--eval_every=0", "--ckpt_every=0"]))
+    assert [r["step"] for r in records(out) if "eval/pass@1" in r] == [0, 6, 10]  # baseline, end of SFT, end of RL
+    assert infra.complete_checkpoints(out) == [10]
+
+
 def test_process_reward_puts_each_step_reward_at_its_last_token():
     """reward = "process": per-step rewards (verify.step_rewards) at each step's last token, the outcome reward at
     the completion's last, normalised over the group's steps and summed over later steps (DeepSeekMath §4.1.3)."""
@@ -410,3 +417,49 @@ def test_qwen_preset_two_rl_steps_from_a_bf16_folder(hf_folder, gsm8k_file, tmp_
                                               add_generation_prompt=True, return_dict=False)])
     with torch.no_grad():
         assert (hf(idx).logits - ours(idx)).abs().max() < 1e-5
+
+
+REFRESH = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import infra
+from model import ModelConfig, Transformer
+proc = infra.setup("cpu", 1)
+torch.manual_seed(0)
+model = infra.shard(Transformer(ModelConfig(vocab_size=23, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                            intermediate_size=48, max_seq_len=32)), proc)
+copy = infra.frozen_copy(model, proc.device)
+before, ptrs = copy.state_dict(), [p.data_ptr() for p in copy.parameters()]
+before = {{k: v.clone() for k, v in before.items()}}
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+idx = torch.randint(0, 23, (4, 9), generator=torch.Generator().manual_seed(1))
+model(idx).logsumexp(-1).mean().backward()
+opt.step()
+infra.refresh(copy, model, lazy=True)  # what an optimizer step does: mark the copy stale, gather nothing yet
+assert copy.stale and all(torch.equal(copy.state_dict()[k], v) for k, v in before.items()), "a lazy refresh gathered"
+assert infra.sampling(copy, model) is copy and not copy.stale  # the next sampling gathers, once
+full = infra.full_state(model, rank0_only=False)[0]
+assert ptrs == [p.data_ptr() for p in copy.parameters()], "refresh moved the copy's tensors"
+assert all(torch.equal(copy.state_dict()[k], v) for k, v in full.items()), "copy != trained weights"
+assert not any(torch.equal(before[k], v) for k, v in full.items() if "norm" not in k), "no step was taken"
+if proc.rank == 0:
+    torch.save(copy.state_dict(), sys.argv[1])
+infra.teardown()
+"""
+
+
+@pytest.mark.slow
+def test_sampling_copy_equals_the_trained_weights_at_1_and_2_ranks(tmp_path):
+    """The plain sampling copy, marked stale by an AdamW step of the (FSDP2-sharded at 2 gloo ranks) policy and
+    refreshed in place before sampling, equals the full trained weights on every rank, keeps its tensors' addresses,
+    and 2 ranks train what 1 rank does."""
+    script = tmp_path / "refresh.py"
+    script.write_text(REFRESH.format(root=ROOT))
+    for n in (1, 2):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if n == 2 \
+            else [sys.executable]
+        p = subprocess.run(launch + [str(script), str(tmp_path / f"w{n}.pt")], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    one, two = (torch.load(tmp_path / f"w{n}.pt") for n in (1, 2))
+    assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6

@@ -116,6 +116,11 @@ def compiled_step(device_type: str):
     return _COMPILED[device_type]
 
 
+def cache_slots(model, L: int, W: int) -> int:
+    """W, or the slot count of a static batch this model already holds for L new tokens if that is larger."""
+    return max([W] + [len(c.cos) for key, (c, _) in _BUFFERS.get(model, {}).items() if key[-1] == L and c])
+
+
 def persistent(model, key, make, slots=None):
     """make() -> (cache or None, tensors), once per (model, key) and cache slot count; the tensors marked as static
     addresses. A batch size keeps one set: made again only when a longer prompt needs more slots."""

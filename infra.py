@@ -117,9 +117,9 @@ def refresh(copy, model, lazy=False):
     """copy ← model's full weights (every rank all-gathers), in place: a CUDA graph captured on copy's tensors reads
     the new weights at the same addresses. lazy (an optimizer step, a reset): only mark the copy stale, sampling()
     gathers once before the next rollout, not after every SFT step. A no-op without a copy."""
-    if copy is not None and not lazy:
-        copy.load_state_dict(full_state(model, rank0_only=False)[0])
     if copy is not None:
+        if not lazy:
+            copy.load_state_dict(full_state(model, rank0_only=False)[0])
         copy.stale = lazy
 
 

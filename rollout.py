@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import decode
-from decode import Decoder, batch, compiled_step, filter_logits, persistent, record, sample, step  # noqa: F401
+from decode import Decoder, batch, cache_slots, compiled_step, filter_logits, persistent, record, step
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -189,9 +188,8 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
     chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
-    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks, and
-    if static:  # as many as any static batch of this model and L has: one set of buffers per batch size)
-        W = max([W] + [len(c.cos) for key, (c, _) in decode._BUFFERS.get(model, {}).items() if key[-1] == L and c])
+    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks, and as many as a static batch of this
+    W = cache_slots(model, L, W) if static else W  # model and L already has: one set of buffers per batch size)
     seeds = row_seeds(seed, N, dev)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]

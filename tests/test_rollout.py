@@ -5,8 +5,9 @@ import torch
 
 import decode
 import rollout
+from decode import filter_logits, sample
 from model import KVCache, ModelConfig, Transformer
-from rollout import HeadLogProbs, filter_logits, generate, mix64, pad_batch, sample, score, uniform
+from rollout import HeadLogProbs, generate, mix64, pad_batch, score, uniform
 
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding

@@ -14,6 +14,7 @@ and model, kept in _BUFFERS and marked as static addresses; a new call copies it
 
   python -m pytest -q tests/test_rollout.py -k "static or two_level"     python bench.py --device cuda
 """
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -38,17 +39,18 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
     (B, V), K = p.shape, CDF_BLOCK
     if V <= TWO_LEVEL_ABOVE.get(z.device.type, V):
         c = p.double().cumsum_(-1)                                                      # [B, V] float64
-        tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range
+        tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range,
+        tok = tok.clamp_(max=V - 1)                                                 # and a NaN row's V clamped
         return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()
     q = p.double().mul_(2.0 ** 52).floor_()                                             # [B, V], sums < 2^53
     n = V // K * K  # full blocks, then the tail (maybe empty)
     sums = torch.cat((q[:, :n].view(B, -1, K).sum(-1), q[:, n:].sum(-1, keepdim=True)), 1)   # [B, V/K + 1]
     ends = sums.cumsum(-1)                                                              # c at each block's end
     x = (u * ends[:, -1])[:, None]                                                      # [B, 1]
-    j = torch.searchsorted(ends, x, right=True)                                         # [B, 1] the block
+    j = torch.searchsorted(ends, x, right=True).clamp_(max=sums.shape[1] - 1)           # [B, 1] the block (NaN: last)
     idx = j * K + torch.arange(K, device=q.device)                                      # [B, K] its tokens
     c = q.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0).cumsum_(-1) + (ends - sums).gather(1, j)
-    tok = j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]
+    tok = (j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]).clamp_(max=V - 1)
     return tok, (p.gather(-1, tok[:, None])[:, 0] * 2.0 ** 52 / ends[:, -1]).log().float()
 
 
@@ -85,15 +87,18 @@ class Decoder:
 
 
 def record(d: Decoder, logits: torch.Tensor):
-    """Steps 2-4 from logits [B, V] (token 0 comes from the prefill's logits)."""
+    """Steps 2-4 from logits [B, V] (token 0 comes from the prefill's logits). A row whose logits are not finite
+    (NaN or inf: its log-prob is NaN) ends there, without a token, counted in out[3]: no index error, no assert."""
     temperature, top_k, top_p, pad_id = d.settings
     u = d.noise.index_select(1, d.t.view(1))[:, 0] if temperature > 0 else None
     tok, logp = sample(filter_logits(logits, temperature, top_k, top_p), u)                 # [B], [B]
+    bad = logp.isnan()                                                                      # [B]
+    live = d.live & ~bad
     at = (d.rows, d.t.expand(len(d.rows)))
-    for buf, x in zip(d.out, (tok.masked_fill(~d.live, pad_id), logp.masked_fill(~d.live, 0.0), d.live)):
+    for buf, x in zip(d.out, (tok.masked_fill(~live, pad_id), logp.masked_fill(~live, 0.0), live)):
         buf.index_put_(at, x)
-    if len(d.stop):
-        d.live.logical_and_(~torch.isin(tok, d.stop))
+    d.out[3].index_put_((d.rows,), (bad & d.live).long(), accumulate=True)
+    d.live.logical_and_(~bad).logical_and_(~torch.isin(tok, d.stop))  # stop: padded with -1, never empty
     d.tok.copy_(tok)
     d.t.add_(1)
 
@@ -103,50 +108,73 @@ def step(model, d: Decoder):
     record(d, model(d.tok[:, None], d.cache)[:, -1])
 
 
-_BUFFERS = weakref.WeakKeyDictionary()  # model -> {(B, L) or ("out", N, L): (KVCache or None, tensors)}
+_BUFFERS = weakref.WeakKeyDictionary()  # model -> {B: (KVCache, tensors), "out": (None, tensors)}
+_CAP = weakref.WeakKeyDictionary()      # model -> their capacity (cache slots, new tokens, output rows)
 _COMPILED = {}                          # device type -> the compiled step
+_FX = torch.fx.experimental._config  # without duck sizing, a batch of 64 rows = head_dim is no special case
+NO_DUCK = _FX.patch(use_duck_shape=False) if hasattr(_FX, "use_duck_shape") else contextlib.nullcontext()
 
 
 def compiled_step(device_type: str):
     """torch.compile of step, made once: one graph (fullgraph) over symbolic batch and width (dynamic), so a new
-    batch size or width needs no recompile; on CUDA replayed as CUDA graphs ("reduce-overhead"), one per shape."""
+    batch size or width needs no recompile; on CUDA replayed as CUDA graphs ("reduce-overhead"), one per shape.
+    Without duck sizing (a size equal to another is not specialised on): a frame per sampling setting."""
     if device_type not in _COMPILED:
-        _COMPILED[device_type] = torch.compile(step, fullgraph=True, dynamic=True,
-                                               mode="reduce-overhead" if device_type == "cuda" else None)
+        fn = torch.compile(step, fullgraph=True, dynamic=True, mode="reduce-overhead" if device_type == "cuda" else None)
+
+        def run(model, d):
+            with NO_DUCK:
+                return fn(model, d)
+        _COMPILED[device_type] = run
     return _COMPILED[device_type]
 
 
-def cache_slots(model, L: int, W: int) -> int:
-    """W, or the slot count of a static batch this model already holds for L new tokens if that is larger."""
-    return max([W] + [len(c.cos) for key, (c, _) in _BUFFERS.get(model, {}).items() if key[-1] == L and c])
+def reserve(model, slots: int, L: int, rows: int) -> tuple[int, int, int]:
+    """The capacity (cache slots, new tokens, output rows) of the model's static buffers for a call that needs
+    (slots, L, rows): at least what they hold. A call that needs more drops every set, made again at the new
+    capacity. The bound: the sets are power-of-two batches B of one capacity, B <= the largest first batch of a
+    call, so they hold fewer than 2 x that many rows."""
+    cap = _CAP.get(model, (0, 0, 0))
+    need = _CAP[model] = tuple(max(a, b) for a, b in zip(cap, (slots, L, rows)))
+    if need != cap:
+        _BUFFERS[model] = {}
+    return need
 
 
-def persistent(model, key, make, slots=None):
-    """make() -> (cache or None, tensors), once per (model, key) and cache slot count; the tensors marked as static
-    addresses. A batch size keeps one set: made again only when a longer prompt needs more slots."""
+def held_rows(model) -> int:
+    """Rows of KV cache the model's static batches hold (the bound above)."""
+    return sum(key for key in _BUFFERS.get(model, {}) if isinstance(key, int))
+
+
+def persistent(model, key, make):
+    """make() -> (cache or None, tensors), once per (model, key) at the capacity reserve() set; the tensors marked
+    as static addresses without a guard (torch < 2.10's default guard=True made each new set a recompile)."""
     bufs = _BUFFERS.setdefault(model, {})
-    if key not in bufs or slots and len(bufs[key][0].cos) != slots:
+    if key not in bufs:
         bufs[key] = make()
         for x in bufs[key][1]:
-            torch._dynamo.mark_static_address(x)
+            torch._dynamo.mark_static_address(x, guard=False)
     return bufs[key]
 
 
 def batch(model, d: Decoder, cache, sel: torch.Tensor, state: tuple, static: bool) -> Decoder:
     """A batch of B = len(sel) rows: the cache rows `sel`, the per-row state (tok, live, rows, noise), d's t, outputs
     and settings. Eager: new tensors (a copy of the kept cache rows); static: copied into the persistent tensors of
-    a B-row batch (per B and number of new tokens)."""
+    a B-row batch (B a power of two; noise columns past this call's L stay stale, never read)."""
     if not static:
         return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
+    slots, L, _ = _CAP[model]
 
     def make():
-        c = model.new_cache(len(sel), len(cache.cos))
-        return c, c.k + c.v + [c.start, c.slot, c.cos, c.sin] + [torch.zeros_like(x) for x in (*state, d.t)]
-    c, bufs = persistent(model, (len(sel), state[3].shape[1]), make, len(cache.cos))
+        c = model.new_cache(len(sel), slots)
+        return c, c.k + c.v + [c.start, c.slot, c.cos, c.sin] + [torch.zeros_like(x) for x in (*state[:3], d.t)] + \
+            [state[3].new_zeros(len(sel), L)]
+    c, bufs = persistent(model, len(sel), make)
     for dst, src in zip(bufs, cache.k + cache.v):  # the kept rows' keys and values, layer by layer
         torch.index_select(src, 0, sel, out=dst)
-    rest = bufs[2 * len(cache.k):]  # start, slot, cos, sin, then tok, live, rows, noise, t
-    for dst, src in zip(rest[:2] + rest[4:], (cache.start[sel], cache.slot, *state, d.t)):
+    rest = bufs[2 * len(cache.k):]  # start, slot, cos, sin, then tok, live, rows, t, noise
+    for dst, src in zip(rest[:2] + rest[4:], (cache.start[sel], cache.slot, *state[:3], d.t)):
         dst.copy_(src)
+    rest[-1][:, :state[3].shape[1]] = state[3]
     c.width = cache.width
-    return Decoder(c, *rest[4:], d.out, d.stop, d.settings)
+    return Decoder(c, *rest[4:7], rest[-1], rest[7], d.out, d.stop, d.settings)

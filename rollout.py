@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decode import Decoder, batch, cache_slots, compiled_step, filter_logits, persistent, record, step
+import decode
+from decode import Decoder, batch, compiled_step, filter_logits, record, step
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 arithmetic wraps like uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -43,6 +44,7 @@ COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: measured (2m, 2
                    # 0.75-0.9 fastest, 1.1-1.3x faster than every time a row stops, 1.6-1.9x than never
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (a finished batch runs < 8 steps more)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
+MAX_ROWS = 512     # static decoding: a larger call runs in chunks of whole prompts (static buffers < 2 x 512 rows)
 WIDTH_STEP = {"cuda": 128}  # static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA
                             # graph per width), exactly the filled slots elsewhere (no graphs to record)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
@@ -53,10 +55,11 @@ class Rollout:
     completion_ids: torch.Tensor   # [N, L] long, pad_id after the stop token
     completion_mask: torch.Tensor  # [N, L] bool, True on generated tokens up to and including the stop token
     logprobs: torch.Tensor         # [N, L] float32, log-prob under the sampling distribution; 0 on padding
-    truncated: torch.Tensor        # [N] bool, no stop token within max_new_tokens
+    truncated: torch.Tensor        # [N] bool, no stop token within max_new_tokens (or a non-finite row: no stop)
     lengths: torch.Tensor          # [N] long, generated tokens per row (completion_mask.sum(1))
     seeds: torch.Tensor            # [N] long, per-row seeds: generate(model, [prompt], 1, ..., seed=seeds[r:r+1])
                                    # regenerates row r alone
+    nonfinite: torch.Tensor        # [N] bool, the row ended at logits that were not finite (NaN, inf; also truncated)
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +180,14 @@ def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_
             raise ValueError(msg)
 
 
+def _cat(parts: list, pad_id: int) -> Rollout:
+    """Rollouts of consecutive prompt chunks -> one, right-padded to the longest."""
+    n = max(r.completion_ids.shape[1] for r in parts)
+    return Rollout(*(torch.cat([F.pad(getattr(r, k), (0, n - getattr(r, k).shape[1]), value=v) for r in parts])
+                     for k, v in (("completion_ids", pad_id), ("completion_mask", False), ("logprobs", 0.0))),
+                   *(torch.cat([getattr(r, k) for r in parts]) for k in ("truncated", "lengths", "seeds", "nonfinite")))
+
+
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, stop_ids=(),
              seed=None, pad_id=0, static=None) -> Rollout:
@@ -187,32 +198,44 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     static = dev.type == "cuda" if static is None else static
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
-    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
-    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks, and as many as a static batch of this
-    W = cache_slots(model, L, W) if static else W  # model and L already has: one set of buffers per batch size)
     seeds = row_seeds(seed, N, dev)
+    if static and N > MAX_ROWS and P > 1:  # whole prompts, at most MAX_ROWS rows a call: bounded static buffers
+        k = max(1, MAX_ROWS // G)
+        return _cat([generate(model, prompts[i:i + k], G, L, temperature, top_k, top_p, stop_ids,
+                              seeds[i * G:(i + k) * G], pad_id, static) for i in range(0, P, k)], pad_id)
+    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
+    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
+    # a static call runs in power-of-two batches B <= B0 (its padding rows: not live, writing output row N), in
+    # buffers of one capacity (slots, L, rows) per model: at least this call's, the largest call's so far
+    B = max(MIN_BUCKET, 1 << (N - 1).bit_length()) if static else N
+    W, Lc, R = decode.reserve(model, W, L, B) if static else (W, L, N)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
     cache = model.new_cache(P, W, start=torch.tensor([S - len(p) for p in prompts], device=dev))
     logits = model(idx, cache, last_only=True)[:, -1]                                         # [P, V]
     cache.width = W if static else None
     # 2. G rows share each prompt's prefill; one uniform per (row, position), drawn up front: noise never depends
-    # on the batch a row is in. The outputs have a row N more, where a static batch's padding rows write.
-    group, rows = torch.arange(P, device=dev).repeat_interleave(G), torch.arange(N, device=dev)   # [N], [N]
-    noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))        # [N, L] float64
-    def outputs():  # ids, log-probs, mask [N + 1, L]
-        return None, [torch.empty(N + 1, L, dtype=t, device=dev) for t in (torch.long, torch.float, torch.bool)]
-    out = (persistent(model, ("out", N, L), outputs) if static else outputs())[1]
-    for buf, v in zip(out, (pad_id, 0.0, False)):
+    # on the batch a row is in. The outputs have rows past N, where a static batch's padding rows write.
+    rows = torch.arange(B, device=dev).clamp(max=N)                                           # [B] (N: padding)
+    group = (rows.clamp(max=N - 1) // G)                                                      # [B] prompt of a row
+    noise = uniform(mix64(seeds[rows.clamp(max=N - 1), None] + torch.arange(1, L + 1, device=dev) * MIX1))  # [B, L]
+
+    def outputs():  # ids, log-probs, mask [R + 1, L], non-finite logit rows met [R + 1]
+        return None, [torch.empty(R + 1, Lc, dtype=t, device=dev) for t in (torch.long, torch.float, torch.bool)] \
+            + [torch.empty(R + 1, dtype=torch.long, device=dev)]
+    out = (decode.persistent(model, "out", outputs) if static else outputs())[1]
+    for buf, v in zip(out, (pad_id, 0.0, False, 0)):
         buf.fill_(v)
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+    ids = sorted(set(stop_ids))
+    stop = torch.tensor(ids + [-1] * (2 - len(ids)), dtype=torch.long, device=dev)  # >= 2 ids: no branch, no 0/1
     d = Decoder(cache, *[None] * 4, rows.new_zeros(()), out, stop, (temperature, top_k, top_p, pad_id))  # t=0 and co.
-    d = batch(model, d, cache, group, (rows.new_zeros(N), rows >= 0, rows, noise), static)   # the N-row batch
+    d = batch(model, d, cache, group, (rows.new_zeros(B), rows < N, rows, noise), static)    # the B-row batch
     record(d, logits[group])                                                                 # 3-4. token 0
+    del cache, logits  # the prefill's cache: copied into the batch, not kept through decoding
     run, batch_at_compaction = compiled_step(dev.type) if static else step, N
     for t in range(1, L):
-        if len(d.stop) and (not static or t % CHECK_EVERY == 0):  # the host sync: every step eagerly, every
-            n_live, B = int(d.live.sum()), len(d.tok)                            # CHECK_EVERY steps statically
+        if stop_ids and (not static or t % CHECK_EVERY == 0):  # the host sync: every step eagerly, every
+            n_live, B = int(d.live.sum()), len(d.tok)                           # CHECK_EVERY steps statically
             if n_live == 0:
                 break
             if static and n_live <= B // 2 and B > MIN_BUCKET:  # a half-size (or smaller) captured batch
@@ -224,15 +247,17 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 keep = d.live.nonzero()[:, 0]
                 sel, pad = torch.cat((keep, keep[:1].expand(B - n_live))), torch.arange(B, device=dev) >= n_live
                 d = batch(model, d, d.cache, sel, (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
-                                                   d.noise[sel]), static)
+                                                   d.noise[sel, :L]), static)
         if static:  # attend over the filled slots rounded up to a chunk: a CUDA graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
         run(model, d)                                                                        # 3-4. token t
-    ids, lp, mask = (x[:N] for x in out)
+    ids, lp, mask = (x[:N, :L] for x in out[:3])
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token
-    truncated = torch.zeros(N + 1, dtype=torch.bool, device=dev).index_put_((d.rows,), d.live)[:N]
-    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), truncated, lengths, seeds)
+    nonfinite = out[3][:N] > 0
+    live = torch.zeros(N + 1, dtype=torch.bool, device=dev).index_put_((d.rows,), d.live)[:N]
+    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), live | nonfinite, lengths, seeds,
+                   nonfinite)
 
 
 def main():

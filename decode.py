@@ -120,7 +120,8 @@ def compiled_step(device_type: str):
     batch size or width needs no recompile; on CUDA replayed as CUDA graphs ("reduce-overhead"), one per shape.
     Without duck sizing (a size equal to another is not specialised on): a frame per sampling setting."""
     if device_type not in _COMPILED:
-        fn = torch.compile(step, fullgraph=True, dynamic=True, mode="reduce-overhead" if device_type == "cuda" else None)
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        fn = torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 
         def run(model, d):
             with NO_DUCK:

@@ -5,7 +5,8 @@
   2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the run's DEVICE
      (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
-     computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily).
+     computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily, one
+     parameter at a time); grad_sync: gradients reduce-scattered once per optimizer step, not per micro-batch.
   4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
   5. Logger: a console line with an ETA, metrics.jsonl (one flat JSON object per line), W&B, the final table.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from model import Transformer
 
@@ -113,14 +115,24 @@ def frozen_copy(model, device) -> Transformer:
     return ref.requires_grad_(False).eval()
 
 
+@torch.no_grad()
 def refresh(copy, model, lazy=False):
-    """copy ← model's full weights (every rank all-gathers), in place: a CUDA graph captured on copy's tensors reads
-    the new weights at the same addresses. lazy (an optimizer step, a reset): only mark the copy stale, sampling()
-    gathers once before the next rollout, not after every SFT step. A no-op without a copy."""
+    """copy ← model's weights in place (a CUDA graph on copy's tensors reads them at the same addresses), one parameter
+    at a time, cast to copy's dtype (bf16 on CUDA) before every rank all-gathers it: the extra peak memory is one
+    parameter, never the model in fp32. lazy (an optimizer step): only mark it stale. A no-op without a copy."""
     if copy is not None:
-        if not lazy:
-            copy.load_state_dict(full_state(model, rank0_only=False)[0])
+        dst = dict(copy.named_parameters())
+        for name, p in model.named_parameters() if not lazy else ():  # the same order on every rank
+            x = p.detach().to(dst[name].dtype)
+            dst[name].copy_(x.full_tensor() if isinstance(x, DTensor) else x)
         copy.stale = lazy
+
+
+def grad_sync(model, on: bool):
+    """FSDP2 reduce-scatters gradients in this backward (on) or accumulates them unsharded in fp32 (off: memory of
+    the full gradient): on for the last micro-batch of an optimizer step only. A no-op for a plain module."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(on)
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:

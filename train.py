@@ -388,10 +388,11 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
     norm = infra.all_sum(float(sum(map(len, comps))))                                     # global loss tokens
     plan, sums = rank_micro_batches(run, prompts, comps), {}
     lens = torch.tensor([len(c) for c in comps] + [0], device=proc.device)                # the pad row: no loss
-    for rows in plan:
+    for b, rows in enumerate(plan):
         logp, ent = scores(run, run.model, prompts + [[0]], comps + [[0]], rows, 0.0)       # [n, L]
         mask = torch.arange(logp.shape[1], device=logp.device) < lens[rows, None]         # [n, L]
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
+        infra.grad_sync(run.model, b == len(plan) - 1)  # FSDP2 reduce-scatters after the last micro-batch only
         (loss * proc.world).backward()  # FSDP averages over ranks: undo it
         add_metrics(sums, {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm})
     gnorm = optimizer_step(run, opt)
@@ -467,6 +468,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             loss, met = grpo.policy_loss(logp, old[b], adv[r, :Lm] if adv.dim() == 2 else adv[r], m, cfg.eps_low,
                                          cfg.eps_high, ref, cfg.beta, cfg.agg, cfg.max_new_tokens, norm,
                                          cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight)
+            infra.grad_sync(run.model, b == len(plan) - 1)  # reduce-scatter once per optimizer step
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
                 gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()

@@ -1,0 +1,126 @@
+"""infra.py's FSDP2 pieces on CPU (gloo): gradients reduce-scattered once per optimizer step and equal to the plain
+module's (one rank, train.sft_update's micro-batch loop); the sampling copy's refresh gathers one parameter at a
+time (two ranks: its extra peak memory is one parameter, not the model)."""
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import infra
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, monkeypatch):
+    """train.sft_update over 4+ micro-batches: with FSDP2 on one gloo rank, each sharded module's gradients are
+    reduced once (before: once per micro-batch), and they equal the plain module's to float32 rounding."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    cfg = train.parse_args(["--config", os.path.join(ROOT, "configs", "smoke.toml"), "--micro_batch_tokens=60",
+                            "--threads=1", "--device=cpu", "--n_layers=2"])
+    run = train.build_run(cfg)
+    sharded = copy.deepcopy(run.model)
+    for block in sharded.model.layers:
+        fully_shard(block)
+    fully_shard(sharded)
+    g = torch.Generator().manual_seed(0)
+    V = run.model.config.vocab_size
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (16,), generator=g)]
+    comps = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (16,), generator=g)]
+    grads, reductions, step = {}, [], train.optimizer_step
+
+    def capture(r, opt):  # the gradients the optimizer would see
+        grads[r.model] = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for k, p in r.model.named_parameters()}
+        return step(r, opt)
+    monkeypatch.setattr(train, "optimizer_step", capture)
+    reduce = group.foreach_reduce  # FSDP2's reduce-scatter of one module's gradients (a copy on one rank)
+    monkeypatch.setattr(group, "foreach_reduce", lambda *a, **kw: reductions.append(1) or reduce(*a, **kw))
+    n_micro = len(train.rank_micro_batches(run, prompts, comps))
+    for model in (run.model, sharded):
+        opt, sched = train.make_optimizer(dataclasses.replace(run, model=model), 1e-3, 10)
+        train.sft_update(dataclasses.replace(run, model=model), opt, sched, prompts, comps)
+    assert n_micro >= 4 and len(reductions) == 3, (n_micro, len(reductions))  # 2 blocks + the root, once each
+    for k, want in grads[run.model].items():
+        assert torch.allclose(grads[sharded][k], want, rtol=1e-5, atol=1e-7), k
+
+
+WORKER = r"""
+import os, sys, weakref
+import torch, torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+import infra
+from model import ModelConfig, Transformer
+
+
+class LiveBytes(TorchDispatchMode):
+    '''Bytes of the storages that ops allocate while the mode is on, alive at once (peak): what refresh adds.'''
+
+    def __init__(self, old):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+        self.old = old  # storages that existed before (parameters): a view of them costs nothing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, AsyncCollectiveTensor):  # no storage of its own
+                st = getattr(t, "_local_tensor", t).untyped_storage()
+                if st.data_ptr() not in self.live and st.data_ptr() not in self.old:
+                    self.live[st.data_ptr()] = st.nbytes()
+                    self.now += st.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(st, self.free, st.data_ptr())
+        return out
+
+    def free(self, ptr):
+        self.now -= self.live.pop(ptr)
+
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=512, hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=160)
+model, plain = Transformer(cfg), Transformer(cfg)
+plain.load_state_dict(model.state_dict())
+for block in model.model.layers:
+    fully_shard(block)
+fully_shard(model)
+copy = Transformer(cfg)
+old = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for m in (model, copy) for p in m.parameters()}
+with LiveBytes(old) as mem:
+    infra.refresh(copy, model)
+sizes = [4 * p.numel() for p in plain.parameters()]
+assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), plain.parameters()))
+print(f"rank {dist.get_rank()}: peak {mem.peak} B, largest parameter {max(sizes)} B, model {sum(sizes)} B")
+assert mem.peak <= 2 * max(sizes) < sum(sizes) / 3, (mem.peak, max(sizes), sum(sizes))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_refresh_gathers_one_parameter_at_a_time(tmp_path):
+    """Two gloo ranks: infra.refresh's extra live memory peaks at about one gathered parameter (before: the whole
+    model's full state dict, gathered at once in float32), and the copy equals the unsharded weights."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "worker.py")], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("peak") == 2, p.stdout

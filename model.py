@@ -172,14 +172,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # write this chunk at slots [n, n+T), attend over every slot written so far
             k, v = cache.write(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.Hkv != self.H)
+        if mask is not None and x.is_cuda and self.Hkv < self.H:  # masked GQA: SDPA's math kernel only on CUDA
+            k, v = k.repeat_interleave(self.H // self.Hkv, 1), v.repeat_interleave(self.H // self.Hkv, 1)
+        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None, enable_gqa=k.shape[1] < self.H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One new token per row, its K/V written at slot cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D], sin's first
-        half negated (x·cos + roll(x, D/2)·sin: apply_rope's arithmetic in 4 ops, not 6), bias [B·H_kv, 1, W]
-        (−inf: pad or future slot). One query per row: two batched matmuls per K/V head group beat SDPA on CPU."""
+        """One token per row, K/V written at cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D] (sin's first half negated),
+        bias [B·H_kv, 1, W] (−inf: pad/future). Two batched matmuls per K/V head group (beat SDPA on CPU); bf16 scores
+        q·k (training's flash keeps fp32): a sampler-trainer gap ~1e-2..1e-1 per token on GPU (logprob_gap_max, tis)."""
         B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
         q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
                                                              self.k_proj(x).view(B, Hkv, 1, D)))
@@ -216,11 +217,10 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values, [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
-    shared slot (rows are left-padded, so every row's newest token sits at the same slot); `start` [B] is each row's
-    first real slot; `n` counts the filled slots on the host and `slot` on the device. A decode step attends over
-    n + 1 slots, or over `width` (a static step: no Python int changes per token), masked from (start, slot); the
-    RoPE cos/sin per position are here too. Passed into forward, never a buffer on the module."""
+    """Preallocated keys/values [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
+    shared slot (rows are left-padded); `start` [B] is each row's first real slot; `n` counts the filled slots on the
+    host, `slot` on the device. A decode step attends over n + 1 slots, or `width` (a static step: no Python int
+    changes per token), masked from (start, slot); RoPE cos/sin per position too. Never a buffer on the module."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
         shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # a tensor per layer: a compiled step writes in place
@@ -235,8 +235,8 @@ class KVCache:
         return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
-        """Keep (or repeat) rows in place of the batch: rows.repeat_interleave(G) shares a prefill by G samples,
-        a subset drops finished rows. Advanced indexing copies, so the result owns its memory."""
+        """Keep (or repeat) rows: rows.repeat_interleave(G) shares a prefill by G samples, a subset drops finished
+        rows. Advanced indexing copies, so the result owns its memory."""
         new = KVCache.__new__(KVCache)
         new.k, new.v, new.start = [k[rows] for k in self.k], [v[rows] for v in self.v], self.start[rows]
         new.n, new.slot, new.width, new.cos, new.sin = self.n, self.slot.clone(), self.width, self.cos, self.sin

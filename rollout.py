@@ -47,6 +47,8 @@ MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, dow
 MAX_ROWS = 512     # static decoding: a larger call runs in chunks of whole prompts (static buffers < 2 x 512 rows)
 WIDTH_STEP = {"cuda": 128}  # static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA
                             # graph per width), exactly the filled slots elsewhere (no graphs to record)
+LOGITS_PER_CHUNK = {"cuda": 2 ** 26}  # score()'s LM-head blocks: 32 MB elsewhere (measured faster than 8 or 128 on
+                                     # CPU), 256 MB on CUDA (441 rows at V = 151,936: GEMMs large enough for the GPU)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -129,9 +131,9 @@ class HeadLogProbs(torch.autograd.Function):
             gi = g[i:i + chunk, None]                                                           # [c, 1]
             gz = -_chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p).exp() * gi  # [c, V]
             gz.scatter_add_(-1, targets[i:i + chunk, None], gi)
-            gz = gz / temperature if temperature > 0 else gz
-            gh[i:i + chunk] = gz.to(w.dtype) @ w
-            gw += gz.T @ h[i:i + chunk].to(gz.dtype)
+            gz = (gz / temperature if temperature > 0 else gz).to(w.dtype)  # both GEMMs in w's dtype (bf16 on GPU,
+            gh[i:i + chunk] = gz @ w                                         # fp32 accumulation inside), as a
+            gw += gz.T @ h[i:i + chunk].to(w.dtype)                          # Linear's backward; gw summed in fp32
         return gh, gw.to(w.dtype), None, None, None, None, None
 
 
@@ -150,7 +152,7 @@ def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: flo
     seqs, targets = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev), comps.to(dev)[valid]
 
     def head(h, w):  # h [n, T-1, C]: keep the M completion positions, then the LM head chunk by chunk
-        chunk = max(1, 2 ** 23 // w.shape[0])  # 32 MB float32 blocks: measured faster than 8 or 128 on CPU
+        chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])  # float32 [chunk, V] blocks
         return HeadLogProbs.apply(h[torch.arange(n, device=dev)[:, None], pos][valid], w, targets, temperature,
                                   top_k, top_p, chunk)
     logp, ent = model(seqs[:, :-1], head=head)                                               # [M], [M]

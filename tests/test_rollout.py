@@ -266,6 +266,35 @@ def test_head_log_probs_do_not_depend_on_the_chunk():
         assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(o, outs[0]))
 
 
+def test_head_log_probs_backward_runs_its_gemms_in_the_weights_bf16():
+    """bf16 h and W (FSDP's compute dtype on GPU): backward's two GEMMs per chunk run in bf16 (before: the weight
+    gradient as a float32 GEMM, slow on a GPU at V = 151,936), and log-probs and both gradients stay within bf16
+    rounding of a float64 reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                seen.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(0)
+    h64, w64, t = torch.randn(40, 32, dtype=torch.float64), torch.randn(3000, 32, dtype=torch.float64) / 8, \
+        torch.randint(0, 3000, (40,))
+    g = torch.randn(40, dtype=torch.float64)
+    grads = []
+    for x, wt in ((h64, w64), (h64.bfloat16(), w64.bfloat16())):
+        x, wt, seen = x.clone().requires_grad_(), wt.clone().requires_grad_(), set()
+        lp, _ = HeadLogProbs.apply(x, wt, t, 1.0, 0, 1.0, 16)
+        with MatmulDtypes():
+            (lp * g.to(lp.dtype)).sum().backward()
+        grads.append((lp.double(), x.grad.double(), wt.grad.double(), seen))
+    (lp, gh, gw, _), (lp16, gh16, gw16, seen16) = grads
+    assert seen16 == {torch.bfloat16}, seen16
+    assert (lp16 - lp).abs().max() < 0.05
+    for a, b in ((gh16, gh), (gw16, gw)):
+        assert (a - b).norm() / b.norm() < 2e-2
+
+
 def one_level(z, u):
     """The reference search: the same probabilities on the 2^-52 grid, one cumsum over the whole vocabulary."""
     c = (z.softmax(-1).double() * 2.0 ** 52).floor().cumsum(-1)

@@ -17,8 +17,9 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
 
 --device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped model in
-bf16, eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of the HBM roofline, and one RL
-step of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, sampling and training timed apart:  python bench.py --device cuda
+bf16, eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of max(HBM, FLOP) floors (the
+sampler's logits counted), and RL steps of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, the sampling copy's refresh,
+sampling and training timed apart:  python bench.py --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
 
 --logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
 backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
@@ -153,6 +154,8 @@ p.add_argument("--verify", action="store_true", help="time verify.reward (and ma
 p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
 p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
 p.add_argument("--vocab", type=int, default=151936)
+p.add_argument("--gpu_new", type=int, default=512, help="--device cuda: new tokens per row of the decode check")
+p.add_argument("--gpu_rl_steps", type=int, default=2, help="--device cuda: RL steps timed")
 args = p.parse_args()
 if args.logprobs:
     torch.set_num_threads(args.threads)
@@ -206,27 +209,38 @@ QWEN05 = dict(model_type="qwen2", attention_bias=True, vocab_size=151936, hidden
               n_kv_heads=2, intermediate_size=4864, max_seq_len=32768)  # Qwen2.5-0.5B's shapes, tied embeddings
 
 
-def bench_gpu(S=256, L=512, G=8):
-    """The GPU check (see the top): roofline fraction = bytes a decode step must read (every weight, each row's
-    filled KV slots) / time / the bandwidth of a device-to-device copy."""
+def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
+    """The GPU check (see the top): roofline fraction = max(HBM floor, FLOP floor) / time, the HBM floor = bytes a
+    decode step must move (every weight, each row's filled KV slots, the sampler's logits written and read once) /
+    the bandwidth of a device-to-device copy, the FLOP floor = 2 FLOPs per weight and row plus attention's 4 per
+    KV slot, head dim and query head / the rate of a large bf16 matmul."""
     t_start, gen, x = time.time(), torch.Generator().manual_seed(0), torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
     bw = 2 * x.numel() / best_times({0: x.clone}, 5)[0]  # bytes read + written per second
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    flops = 2 * 8192 ** 3 / best_times({0: partial(torch.mm, a, a)}, 5)[0]
+    del x, a
     with torch.device(dev):  # random weights: no stop token is ever likely, every row decodes all L tokens
         model = Transformer(ModelConfig(**QWEN05)).to(torch.bfloat16).eval()
-    V, w_bytes = QWEN05["vocab_size"], 2 * sum(p.numel() for p in model.parameters())
+    V, n_w = QWEN05["vocab_size"], sum(p.numel() for p in model.parameters())
     kv_slot = 4 * QWEN05["n_layers"] * QWEN05["n_kv_heads"] * model.config.head_dim  # K and V bytes per token
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {w_bytes / 2 ** 30:.2f} GiB of bf16 weights, "
-          f"{kv_slot // 1024} KiB of KV per token; {S}-token prompts, {L} new tokens, T = 1, no stop token")
-    for rows in (64, 512):
+    att = 4 * QWEN05["n_layers"] * QWEN05["n_heads"] * model.config.head_dim          # FLOPs per row and KV slot
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
+          f"{2 * n_w / 2 ** 30:.2f} GiB of bf16 weights, {kv_slot // 1024} KiB of KV per token; {S}-token prompts, "
+          f"{L} new tokens, T = 1, no stop token")
+    for rows in rows_list:
         prompts = torch.randint(3, V, (rows // G, S), generator=gen).tolist()
         run = {m: partial(generate, model, prompts, G, L, seed=0, static=m == "captured")
                for m in ("eager", "captured")}
         t0 = time.time()
         run["captured"]()  # torch.compile once (dynamic shapes), then a CUDA graph per (batch, width)
-        t1, best, need = time.time(), best_times(run, 2), L * w_bytes + rows * kv_slot * (S * L + L * (L - 1) // 2)
-        print(f"{rows} rows (first captured call {t1 - t0:.0f} s): " + ", ".join(
-            f"{m} {rows * L / sec:,.0f} tok/s = {need / bw / sec:.2f} of the HBM roofline" for m, sec in best.items())
-            + f"; captured / eager {best['eager'] / best['captured']:.1f}x")
+        t1, best = time.time(), best_times(run, 2)
+        slots = rows * (S * L + L * (L - 1) // 2)  # KV slots read over the L steps
+        hbm, sampler = (L * 2 * n_w + kv_slot * slots + L * rows * V * 4) / bw, L * rows * V * 4
+        floor = max(hbm, flop := (2 * n_w * rows * L + att * slots) / flops)
+        print(f"{rows} rows (first captured call {t1 - t0:.0f} s; floors: HBM {hbm:.2f} s, of it the sampler's "
+              f"logits {sampler / 2 ** 30:.1f} GiB, FLOP {flop:.2f} s): " + ", ".join(
+                  f"{m} {rows * L / sec:,.0f} tok/s = {floor / sec:.2f} of max(HBM, FLOP)" for m, sec in best.items())
+              + f"; captured / eager {best['eager'] / best['captured']:.1f}x")
     counters = torch._dynamo.utils.counters  # a skipped CUDA graph or a graph break would show here
     print(f"graph breaks: {dict(counters['graph_break'])}, CUDA graph skips: {counters['inductor']['cudagraph_skips']}")
     # the preset's RL step on one GPU of 8 with train.py's pieces (FSDP2 on a 1-rank group, AdamW, the copy refreshed)
@@ -236,22 +250,27 @@ def bench_gpu(S=256, L=512, G=8):
     run.sampler, opt = infra.frozen_copy(run.model, dev), train.make_optimizer(run, rl.lr, 10)[0]
     prompts = torch.randint(3, V, (rl.prompts_per_step // 8, S), generator=gen).tolist()
     rows_p = [p for p in prompts for _ in range(rl.group_size)]
-    for step in range(2):
+    for step in range(rl_steps):
         t0 = time.time()
-        comps = generate(run.sampler, prompts, rl.group_size, rl.max_new_tokens, seed=step).completion_ids.tolist()
+        sampler = infra.sampling(run.sampler, run.model)  # the copy re-gathered after the last step (stale)
+        sync()
         t1 = time.time()
+        comps = generate(sampler, prompts, rl.group_size, rl.max_new_tokens, seed=step).completion_ids.tolist()
+        t2 = time.time()
         for rows in train.rank_micro_batches(run, rows_p, comps):
             logp, _ = train.scores(run, run.model, rows_p, comps, rows, rl.temperature)
             grpo.policy_loss(logp, logp.detach(), torch.randn(len(rows), device=dev), torch.ones_like(logp).bool(),
                              agg="token_mean", loss_scale=logp.numel())[0].backward()
         train.optimizer_step(run, opt), sync()
-        print(f"RL step {step}: sampling {t1 - t0:.1f} s ({len(comps)} rows x {rl.max_new_tokens} tokens), training "
-              f"{time.time() - t1:.1f} s ({len(comps) * (S + rl.max_new_tokens):,} tokens fwd + bwd, AdamW, refresh)")
+        n_tok = len(comps) * (S + rl.max_new_tokens)
+        print(f"RL step {step}: refresh {t1 - t0:.2f} s, sampling {t2 - t1:.1f} s ({len(comps)} rows x "
+              f"{rl.max_new_tokens} tokens), training {time.time() - t2:.1f} s ({n_tok:,} tokens fwd + bwd, AdamW); "
+              f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
     print(f"total {time.time() - t_start:.0f} s")
 
 
 if args.device == "cuda" and not args.ckpt:
-    raise SystemExit(bench_gpu())
+    raise SystemExit(bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps))
 # -------------------------------------------------------------------------------------------------- model
 torch.manual_seed(0)
 model = Transformer.from_pretrained(args.ckpt) if args.ckpt else Transformer(ModelConfig(

@@ -1,10 +1,13 @@
-"""The CUDA path, for a developer with a GPU: python -m pytest -q -s tests/test_cuda.py (skipped without CUDA).
+"""The CUDA path, for a developer with a GPU: python -m pytest -q -s tests/test_cuda.py (skipped without CUDA);
+tests/gpu_check.sh runs it with the rest of the GPU check.
 
-bf16 against float32 logits; the captured (CUDA graph) decode step against the eager one; generate on CUDA, and
-the trainer's bf16 scores of its samples; a few SFT + RL steps
-at world size 1 (FSDP2 on a 1-rank group: the dtypes of world size 8) with π_ref in bf16; the peak memory of one
-RL micro-batch's log-probs at Qwen's 151,936-token vocabulary (printed); with 2+ GPUs, the smoke run on 2 NCCL
-ranks against 1 rank.
+bf16 against float32 logits (tight enough to catch a missed upcast: measured on CPU bf16, 0.015 honest vs 0.056
+without the float32 log-softmax); the captured (CUDA graph) decode step against the eager one, with its graph health
+(no CUDA graph skipped, a frame per sampling setting, the held static rows within one bucket chain); generate on
+CUDA, and the trainer's bf16 scores of its samples; a few SFT + RL steps at world size 1 (FSDP2 on a 1-rank group:
+the dtypes of world size 8) with π_ref in bf16; the LM head's own share of one RL micro-batch's peak memory at Qwen's
+151,936-token vocabulary, and its bf16 log-probs and gradients against float32; with 2+ GPUs, the smoke run on 2
+NCCL ranks against 1 rank (bf16 kernels differ by batch size: close, not bit-identical).
 """
 import json
 import os
@@ -14,9 +17,11 @@ import sys
 import pytest
 import torch
 
+import decode
+import rollout
 import train
 from model import ModelConfig, Transformer
-from rollout import generate, pad_batch, score
+from rollout import HeadLogProbs, generate, pad_batch, score
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,15 +43,20 @@ def test_bf16_logits_follow_float32():
         with torch.autocast("cuda", torch.bfloat16):
             got = m(idx).float().log_softmax(-1)
         low = m.to(torch.bfloat16)(idx).float().log_softmax(-1)  # bf16 weights, as FSDP computes
-    for x in (got, low):  # bf16 keeps 8 mantissa bits: log-probs agree to a few hundredths
+    for x in (got, low):  # bf16 keeps 8 mantissa bits; a log-softmax in bf16 (a missed upcast) errs by ~0.06
         err = (x - ref).abs().max().item()
         print(f"max |log-prob bf16 - fp32| = {err:.4f}")
-        assert err < 0.1 and (x.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+        assert err < 0.03 and (x.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
 
 
 def test_captured_decoding_samples_what_eager_decoding_samples():
     """float32, a vocabulary above decode.TWO_LEVEL_ABOVE (the two-level inverse CDF), stop ids that end rows apart
-    (buckets halve), greedy and sampled: the same tokens; log-probs to 1e-4 (attention over more, masked slots)."""
+    (buckets halve), greedy and sampled: the same tokens; log-probs to 1e-4 (attention over more, masked slots). The
+    graphs are healthy: no CUDA graph skipped (a silent eager fallback would pass the rest), a frame per setting,
+    held static rows within one bucket chain of the largest batch, over calls of 32, 64, 40 and 8 rows."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     m = qwen(vocab=16384)
     prompts, stop = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]], list(range(3, 16384, 97))
     for T in (0.0, 1.0):
@@ -56,6 +66,13 @@ def test_captured_decoding_samples_what_eager_decoding_samples():
         assert torch.equal(eager.lengths, captured.lengths)
         assert (eager.logprobs - captured.logprobs).abs().max() < 1e-4
         print(f"T = {T}: lengths {sorted(set(eager.lengths.tolist()))}")
+    for n in (16, 10, 2):  # 64, 40, 8 rows: new batch sizes reuse the bucket chain, no new frame
+        generate(m, prompts[:1] * n, 4, 24, temperature=1.0, stop_ids=stop, seed=n, static=True)
+    skips, frames = counters["inductor"]["cudagraph_skips"], counters["stats"]["unique_graphs"]
+    print(f"cudagraph skips {skips}, frames {frames}, held rows {decode.held_rows(m)}, graph breaks "
+          f"{dict(counters['graph_break'])}")
+    assert skips == 0 and frames <= 2 and not counters["graph_break"]
+    assert decode.held_rows(m) <= 64 + 32 + 16 + 8
 
 
 def test_generate_on_cuda_and_the_trainer_scores_it_the_same_way():
@@ -82,21 +99,61 @@ def test_sft_and_rl_steps_at_world_size_1_in_bf16(tmp_path):
     print("RL steps:", [(r["train/loss"], r["train/kl"], r["train/logprob_gap_max"]) for r in rl])
 
 
-def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary():
+class TrunkOnly:
+    """HeadLogProbs replaced by the cheapest differentiable function of h and W: the trunk's memory alone."""
+
+    @staticmethod
+    def apply(h, w, targets, *settings):
+        x = h.float().sum(-1) + w[0, 0].float()
+        return x, x.detach()
+
+
+def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary(monkeypatch):
+    """The LM head's share of the peak (score + backward with the head, minus the same with the trunk only): its
+    float32 [chunk, V] blocks and W's float32 gradient, far below a micro-batch's full float32 logits."""
     V, rows, prompt_len, new = 151936, 64, 192, 64  # 16,384 tokens: the qwen preset's micro_batch_tokens
     m = qwen(vocab=V, hidden=896, layers=2).to(torch.bfloat16)
     prompts = torch.randint(3, V, (rows, prompt_len)).tolist()
     comps = torch.randint(3, V, (rows, new))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    lp, _ = score(m, prompts, comps, 1.0)
-    (-lp.mean()).backward()
-    peak = torch.cuda.max_memory_allocated() - base
-    logits = rows * (prompt_len + new) * V * 4  # what full float32 logits of the micro-batch alone would take
-    print(f"peak extra memory of log-probs + backward: {peak / 2 ** 30:.2f} GiB (full float32 logits: "
+    peaks = {}
+    for name in ("trunk", "head"):
+        with monkeypatch.context() as mp:
+            if name == "trunk":
+                mp.setattr(rollout, "HeadLogProbs", TrunkOnly)
+            m.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            lp, _ = score(m, prompts, comps, 1.0)
+            (-lp.mean()).backward()
+            peaks[name] = torch.cuda.max_memory_allocated() - base
+            del lp
+    head = peaks["head"] - peaks["trunk"]
+    chunk = rollout.LOGITS_PER_CHUNK["cuda"] // V
+    blocks, gw, logits = chunk * V * 4, V * 896 * 4, rows * new * V * 4
+    print(f"peak extra memory: trunk {peaks['trunk'] / 2 ** 30:.2f} GiB, the head's share {head / 2 ** 30:.2f} GiB "
+          f"({chunk}-row chunks of {blocks / 2 ** 20:.0f} MiB; full float32 logits of the completions: "
           f"{logits / 2 ** 30:.1f} GiB)")
-    assert peak < logits / 4
+    assert head < 6 * blocks + 2 * gw and head < logits / 4
+
+
+def test_head_log_probs_in_bf16_follow_float32_at_a_real_vocabulary():
+    """HeadLogProbs at V = 151,936 from bf16 h and W (the trainer's compute dtype) against float32 on the same values:
+    log-probs within bf16 rounding, both gradients within 2% (its GEMMs run in bf16 with fp32 accumulation)."""
+    torch.manual_seed(0)
+    h = torch.randn(1024, 896, device="cuda").bfloat16()
+    w = (torch.randn(151936, 896, device="cuda") * 0.02).bfloat16()
+    t, g = torch.randint(0, 151936, (1024,), device="cuda"), torch.randn(1024, device="cuda")
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x, wt = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        lp, _ = HeadLogProbs.apply(x, wt, t, 1.0, 0, 1.0, rollout.LOGITS_PER_CHUNK["cuda"] // 151936)
+        (lp * g).sum().backward()
+        out.append((lp.float(), x.grad.float(), wt.grad.float()))
+    (lp, gh, gw), (lp16, gh16, gw16) = out
+    errs = [(lp16 - lp).abs().max().item()] + [((a - b).norm() / b.norm()).item() for a, b in ((gh16, gh), (gw16, gw))]
+    print(f"bf16 vs fp32 head: max |Δ log-prob| {errs[0]:.3f}, gradient errors h {errs[1]:.1e}, W {errs[2]:.1e}")
+    assert errs[0] < 0.1 and errs[1] < 2e-2 and errs[2] < 2e-2
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -110,7 +167,10 @@ def test_two_nccl_ranks_match_one(tmp_path):
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     one, two = ([json.loads(line) for line in open(tmp_path / d / "metrics.jsonl")] for d in ("one", "two"))
-    for a, b in zip(one, two):  # bf16 on both sides: rewards equal, losses close
-        assert a.get("train/reward") == b.get("train/reward")
+    assert [(a["step"], a["stage"]) for a in one] == [(b["step"], b["stage"]) for b in two]
+    for a, b in zip(one, two):  # bf16 kernels differ by batch size: a sampled token may differ, so close, not equal
         if "train/loss" in a:
-            assert abs(a["train/loss"] - b["train/loss"]) < 1e-2
+            assert torch.isfinite(torch.tensor([a["train/loss"], b["train/loss"]])).all()
+            assert abs(a["train/loss"] - b["train/loss"]) < (2e-2 if a["stage"] == "sft" else 0.1)
+        if "train/reward" in a:
+            assert abs(a["train/reward"] - b["train/reward"]) <= 0.25

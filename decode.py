@@ -9,10 +9,12 @@ A step of a batch of B rows (Decoder: every tensor it reads or writes lives in t
   3. write the token, its log-prob and the live flag at (row, t) of the outputs (pad and 0 once a row stopped);
   4. live &= token not a stop id; t += 1. A finished row stays in the batch, masked: only the host, every few
      steps, decides to move the live rows into a smaller batch (batch()).
-A captured graph reads fixed addresses: a static batch's tensors (cache, state, outputs) are made once per shape
-and model, kept in _BUFFERS and marked as static addresses; a new call copies its rows into them.
+A captured graph reads fixed addresses: a static batch's tensors (cache, state, outputs) are made once per model
+and power-of-two batch size at one capacity (reserve), kept in _BUFFERS, marked as static addresses without a guard;
+a new call copies its rows into them. Bounds: fewer than 2 x the largest first batch rows held; a frame per
+sampling setting (no duck sizing, no branch on the stop ids), whatever the batch sizes, widths or lengths.
 
-  python -m pytest -q tests/test_rollout.py -k "static or two_level"     python bench.py --device cuda
+  python -m pytest -q tests/test_decode.py tests/test_rollout.py       python bench.py --device cuda
 """
 import contextlib
 import weakref

@@ -15,9 +15,11 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      Steps 3-4 are decode.step, one function for both loops below.
   5. Eager (the CPU default): when the live rows have fallen to 3/4 of the batch since the last compaction, drop
      the done rows from the batch and the cache (a copy, so not every step); a host check every step. Static (the
-     CUDA default, torch.compile + CUDA graphs): done rows stay in the captured batch, masked; every CHECK_EVERY
-     steps the host looks, and once the live rows fit in half the batch, they move to a half-size (or smaller)
-     batch. Both stop when no row is live or after max_new_tokens, with the same tokens and log-probs.
+     CUDA default, torch.compile + CUDA graphs): N rows start in a power-of-two batch (padding rows not live), at
+     most MAX_ROWS a call (whole prompts); done rows stay in the captured batch, masked; every CHECK_EVERY steps the
+     host looks, and once the live rows fit in half the batch, they move to a half-size (or smaller) batch. Both
+     stop when no row is live or after max_new_tokens, with the same tokens and log-probs. A row whose logits are
+     not finite ends there (Rollout.nonfinite).
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. score() is
 generate's twin on the trainer side: one causal forward over prompt + completion, the same filter_logits, so the

@@ -32,7 +32,8 @@ python - > "$LOG/env.txt" 2>&1 <<'EOF'
 import inspect, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-print("mark_static_address guard default:", inspect.signature(torch._dynamo.mark_static_address).parameters["guard"].default)
+guard = inspect.signature(torch._dynamo.mark_static_address).parameters["guard"].default
+print("mark_static_address guard default:", guard)
 EOF
 cat "$LOG/env.txt" | tee -a "$LOG/summary.txt"
 nvidia-smi > "$LOG/nvidia-smi.txt" 2>&1 || true

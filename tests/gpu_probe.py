@@ -4,7 +4,8 @@ CUDA graph skips, graph breaks, the static KV rows held (bound: one bucket chain
 memory after each call, as JSON lines; exits non-zero when a bound is broken. tests/gpu_check.sh runs it on a GPU
 at Qwen2.5-0.5B's widths (random weights, no download); on CPU at a tiny size it checks itself in seconds:
 
-  python tests/gpu_probe.py --device cuda --size qwen05 --out DIR      python tests/gpu_probe.py --device cpu --size tiny
+  python tests/gpu_probe.py --device cuda --size qwen05 --out DIR
+  python tests/gpu_probe.py --device cpu --size tiny --new 16
 """
 import argparse
 import inspect

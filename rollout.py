@@ -212,7 +212,8 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     # a static call runs in power-of-two batches B <= B0 (its padding rows: not live, writing output row N), in
     # buffers of one capacity (slots, L, rows) per model: at least this call's, the largest call's so far
     B = max(MIN_BUCKET, 1 << (N - 1).bit_length()) if static else N
-    W, Lc, R = decode.reserve(model, W, L, B) if static else (W, L, N)
+    # (a slot more than any width: a width equal to the whole cache is another graph, its K/V slices contiguous)
+    W, Lc, R = decode.reserve(model, W + 1, L, B) if static else (W, L, N)
     # 1. one prefill of the P distinct prompts, left-padded to S
     idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)      # [P, S]
     cache = model.new_cache(P, W, start=torch.tensor([S - len(p) for p in prompts], device=dev))

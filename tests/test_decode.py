@@ -40,13 +40,15 @@ def chain(b: int) -> int:
 @pytest.mark.slow
 def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(monkeypatch):
     """An eval of 8 then 32 rows, RL batches of 64, DAPO refills of 40, 7, 28, a call over the row cap, greedy and
-    sampled, stop ids or none, prompts growing: through inductor with guard=True as on torch 2.6-2.9 (before: the
-    9th frame raised FailOnRecompileLimitHit, and every batch size kept its own buffers). Now a frame per sampling
-    setting, held KV rows within one bucket chain of the largest first batch, and the eager path's tokens."""
+    sampled, stop ids or none, prompts growing, widths up to the whole cache: through inductor with guard=True as on
+    torch 2.6-2.9 (before: the 9th frame raised FailOnRecompileLimitHit, and every batch size kept its own buffers).
+    Now a frame per sampling setting, held KV rows within one bucket chain of the largest first batch, and the
+    eager path's tokens."""
     static_address = torch._dynamo.mark_static_address
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: static_address(t, guard=guard))
     monkeypatch.setattr(rollout, "MAX_ROWS", 64)
     monkeypatch.setattr(rollout, "CHECK_EVERY", 2)
+    monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})  # widths in chunks as on CUDA: the last = the whole cache
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     m, largest = tiny(layers=1), 0

@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+import exact
 import verify
 from verify import eval_arith, extract_answer, format_reward, is_equiv, reward, step_rewards
 
@@ -13,32 +14,34 @@ from verify import eval_arith, extract_answer, format_reward, is_equiv, reward, 
 EXTRACT = [
     # <answer> tags: the last block wins; a \boxed{} inside it wins over the rest of the block
     ("<think>x</think><answer>5</answer>", "5"),
-    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    ("<answer>1</answer> then <answer>2</answer>", None),  # two different committed answers
     ("<answer>The result is \\boxed{7}.</answer>", "7"),
     ("<answer> 3 </answer>", "3"),
     ("<answer>x = 4</answer><|endoftext|>", "x = 4"),
-    ("<answer>3</answer> \\boxed{4}", "3"),
+    ("<answer>3</answer> \\boxed{4}", None),
+    ("<answer>3</answer> \\boxed{3}", "3"),
     ("<answer>The answer is 18.</answer>", "18"),
     ("<answer>Answer: (B)</answer>", "(B)"),
     # \boxed / \fbox: the last balanced one
     ("\\boxed{5}", "5"),
-    ("a \\boxed{1} b \\boxed{2}", "2"),
+    ("a \\boxed{1} b \\boxed{2}", "1, 2"),  # several boxes: one set answer
     ("$\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}"),
     ("\\boxed{{a}{b}}", "{a}{b}"),
     ("\\boxed 5$", "5"),
     ("so $\\boxed 12$.", "12"),
     ("\\fbox{9}", "9"),
-    ("\\boxed{12} and then \\boxed{1", "12"),
+    ("\\boxed{12} and then \\boxed{1", None),  # cut off while committing to a new answer
     ("\\boxed{\\text{(A)}}", "\\text{(A)}"),
     ("thus \\boxed{ x = 3 }.", "x = 3"),
-    ("\\boxed{4} #### 5", "4"),
+    ("\\boxed{4} #### 5", None),
+    ("\\boxed{5} #### 5", "5"),
     ("The answer is \\boxed{8} indeed", "8"),
     # GSM8K ####: the rest of the line after the last one
     ("#### 42", "42"),
     ("48/2 = 24\n#### 1,234\n", "1,234"),
-    ("#### 1\n#### 2", "2"),
+    ("#### 1\n#### 2", None),
     ("####5", "5"),
-    ("#### 5\nso the answer is 6", "5"),
+    ("#### 5\nso the answer is 6", None),
     # "the (final) answer is", "Final answer:"
     ("The answer is 42.", "42"),
     ("So the final answer is $\\frac{1}{2}$. I hope it is correct.", "\\frac{1}{2}"),
@@ -46,7 +49,8 @@ EXTRACT = [
     ("**Final Answer:** 17", "17"),
     ("Final answer: x = 4", "x = 4"),
     ("The answer is: 9", "9"),
-    ("The answer is 1 and more.\nThe answer is 2.", "2"),
+    ("The answer is 1 and more.\nThe answer is 2.", None),
+    ("The answer is 2 apples.\nThe answer is 2.", "2"),
     ("The answer is **42**.", "42"),  # markdown emphasis
     ("**The answer is 42**", "42"),
     ("The answer is 7, since 3 + 4 = 7.", "7"),  # a justification after a comma
@@ -143,10 +147,11 @@ EQUIV_FALSE = [
     ("(-\\infty, 3]", "(-\\infty, 3)"), ("\\{1,2\\}", "\\{1,3\\}"), ("1,2", "1,2,3"), ("1,1,2", "1,2,2"),
     ("1e3", "100"), ("10^{3}", "100"), ("1.5\\times10^{3}", "150"),  # scientific
     ("10^10^10", "1"), ("10^{100000}", "1"), ("1e100000", "10^{100000}"), ("1e1001", "10^{1001}"),  # rejected
-    ("9" * 400, "9" * 400 + ".0"), ("1" + "0" * 400, "1e400"),  # over-long numbers are rejected, not computed
+    ("1" + "0" * 400, "1e400"),  # over-long numbers are rejected, not computed
     ("A", "B"), ("\\text{(A)}", "(B)"), ("yes", "no"), ("2\\mathrm{i}", "2"), ("x\\infty", "\\infty"),
     ("\\frac{x+1}{2}", "x+1/2"), ("x = 2, y = 3", "2"),
-    ("5" + " " * 600, "5"), ("x" * 600, "x" * 600),  # over-long answers are never equivalent
+    ("5" + " " * 100_001, "5"), ("x" * 100_001, "x" * 100_001),  # past MAX_LONG answers are never equivalent
+    ("9" * 600, "9" * 599 + "8"), ("x" * 600, "x" * 599 + "y"), ("1" * 600, "1" * 600 + "0"),  # long near-misses
 ]
 
 
@@ -218,7 +223,7 @@ SYMBOLIC_FALSE = [
     # ambiguous or undecidable: no normal form, so never equal
     ("yes", "sey"), ("abc", "cab"), ("g(f(x))", "f(g(x))"), ("f(x+1)", "f(x)+f(1)"), ("2^3^4", "2^{81}"),
     ("2^3^4", "4096"), ("2^3!", "64"), ("5!!", "15"), ("x+2\\frac{1}{2}", "x+\\frac{5}{2}"), ("\\pi 6", "6\\pi"),
-    ("\\sqrt{x^2}", "x"), ("x^{1/2}", "\\sqrt{x}"), ("\\sqrt[4]{-4}", "1+i"), ("\\log 100", "2"), ("\\ln e", "1"),
+    ("\\sqrt{x^2}", "x"), ("\\sqrt[4]{-4}", "1+i"), ("\\log 100", "2"), ("\\ln e", "1"),
     ("\\frac{1}{\\sqrt{2}-\\sqrt{2}}", "0"), ("\\frac{0}{0}", "0"), ("0^{0}", "1"), ("\\frac{x}{0}", "\\frac{y}{0}"),
     ("1 \\pm \\sqrt{2}", "\\pm\\sqrt{2}"), ("x \\cdots 2", "2xs"), ("1000!", "1000!+0"), ("\\binom{1000}{2}", "499500"),
     ("\\sqrt{2 \\cdot 10^{12}}", "10^6\\sqrt{2}"), ("(x+1)^{32}", "(x+1)^{32}+0"),  # past MAX_FACT, _RADICAND, _WORK
@@ -287,21 +292,25 @@ def test_random_radicals_and_complex_numbers():
 
 def test_bounds_reject_before_computing(monkeypatch):
     calls = []
-    monkeypatch.setattr(verify, "factorial", lambda n: calls.append(n) or math.factorial(n))
+    monkeypatch.setattr(exact, "factorial", lambda n: calls.append(n) or math.factorial(n))
     assert not is_equiv("1000!", "1000!+0") and not is_equiv("10^{100000}", "10^{100000}+0")
     assert calls == []  # 1000! was never computed: past MAX_FACT
     assert is_equiv("500!", "500!+0") and calls == [500, 500]
     products = []
-    real_mul = verify._Form.mul
-    monkeypatch.setattr(verify._Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
+    real_mul = exact.Form.mul
+    monkeypatch.setattr(exact.Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
     assert not is_equiv("(1+i)^{5000}", "(1+i)^{5000}+0")  # 2 terms, degree 0, 2500 bits: only MAX_WORK stops it
-    assert sum(products) <= 3 * (verify.MAX_WORK + verify.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
+    assert sum(products) <= 3 * (exact.MAX_WORK + exact.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
     products.clear()
-    monkeypatch.setattr(verify, "MAX_WORK", 4)  # a tiny budget: enough to compare x+1 with 1+x, not for (x+1)^2
+    monkeypatch.setattr(exact, "MAX_WORK", 4)  # a tiny budget: enough to compare x+1 with 1+x, not for (x+1)^2
     assert is_equiv("x+1", "1+x") and not is_equiv("(x+1)^2", "x^2+2x+1")
-    monkeypatch.setattr(verify, "MAX_BITS", 64)
-    assert is_equiv("2^{31}", "2147483648") and not is_equiv("2^{64}", "18446744073709551616")  # 2 bits * 64 > 64
-    monkeypatch.setattr(verify, "MAX_RADICAND", 100)
+    monkeypatch.setattr(exact, "MAX_BITS", 64)
+    assert is_equiv("2^{31}", "2147483648")
+    with pytest.raises(ValueError):  # 2 bits * 64 > 64: the form refuses before computing
+        exact.Form("2^{64}").expr(whole=True)
+    assert is_equiv("2^{64}", "18446744073709551616")  # decided by exponent arithmetic instead (exact.Power)
+    assert not is_equiv("2^{64}", "18446744073709551617") and not is_equiv("2^{64}", "2^{63}")
+    monkeypatch.setattr(exact, "MAX_RADICAND", 100)
     assert is_equiv("\\sqrt{98}", "7\\sqrt{2}") and not is_equiv("\\sqrt{102}", "\\sqrt{102}+0")
 
 

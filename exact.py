@@ -1,0 +1,374 @@
+r"""The exact normal form behind verify.is_equiv: numbers as Fractions, expressions as canonical rational functions.
+
+Pure Python on normalised answer strings (verify._normalize's output): no eval, no CAS, every size bounded.
+
+1. number(s): a plain number (1,000  2.50  1e3  2(1/2), a mixed number) as an exact Fraction, or None;
+   decimal_key(s) compares plain decimals too long to convert (the same 2,000-digit integer twice) digit by digit.
+2. Form, the normal form: numerator / denominator, expanded polynomials in the names that appear (x, a_1,
+   \theta, \pi, e; i is the imaginary unit). A monomial is c * prod p^e * prod x^f with c rational, p prime or -1
+   (i = (-1)^(1/2)), 0 < e < 1 rational, f rational. By Besicovitch's theorem the real radicals prod p^e with
+   0 <= e < 1 are linearly independent over Q, and i is not real, so the form is canonical: n1/d1 = n2/d2 iff
+   n1 d2 == n2 d1. Recursive descent:
+     expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
+     factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
+     primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
+   Roots and powers: rational radicands factor over primes (\sqrt{8} = 2\sqrt{2}, 3\sqrt[3]{2} = \sqrt[3]{54},
+   3^{1/3} = \sqrt[3]{3}); a fractional power of a monomial multiplies its exponents (y^{1/2} = \sqrt{y}), except
+   an even root of an even power (\sqrt{x^2} is |x|, not x); logs only where exact (\log_2 8 = 3). No form, never
+   equal: words ("yes" is no y*e*s), f(x), x+2(1/2) (mixed?), \cdots, \pm, 2^3^4, \sqrt[4]{-4}, sizes past MAX_*.
+3. Power (the fallback past MAX_BITS): a product of powers of integers as {prime: exact integer exponent}, so
+   2^{2^{100}} = 4^{2^{99}} and \frac{2^{2^{100}}}{2^{2^{100}}} = 1 by exponent arithmetic, never by evaluation.
+4. same(a, x, b, y): True iff both answers have forms (x, y: values of plain numbers) with n1 d2 == n2 d1, or
+   both are Powers with identical factorisations.
+
+Tests: python -m pytest -q tests/test_verify.py
+"""
+import re
+import sys
+from fractions import Fraction
+from math import comb, factorial, gcd, log
+
+MAX_NUMBER = 300  # characters of one number converted to a Fraction; longer plain decimals compare digit-wise
+MAX_EXP = 1000  # |exponent| of 1e5 / 10^{5}; 10^100000 is rejected, not computed
+MAX_TERMS = 64  # terms of one polynomial of the normal form; (x+y+z)^6 has 28
+MAX_DEG = 32  # degree of a monomial, index of a root
+MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767), of a Power's exponent
+MAX_FACT = 500  # largest n of n! and \binom{n}{k}
+MAX_RADICAND = 10 ** 6  # numerator and denominator of a radicand, after its perfect powers (primes < 1000)
+MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
+MAX_DEPTH = 400  # nesting of brackets in the normal form (fractions hundreds deep)
+
+_DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
+_MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
+_LONG = re.compile(r"([+-]?)0*(\d*)(?:\.(\d*?)0*)?")
+_PRIMES = [p for p in range(2, 1000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
+
+
+def number(s: str) -> Fraction | None:
+    """The exact value of a plain number: 3, -2.5, 1,000 (groups of 3 digits), 1e3, .5, 2(1/2); else None.
+
+    1/2, 1.5\\times10^{3} and 2^{10} are expressions whose normal forms are numbers."""
+    if len(s) > MAX_NUMBER or not (m := _MIXED.fullmatch(s) or _DECIMAL.fullmatch(s)):
+        return None
+    if m.re is _MIXED:
+        return (-1 if m[1] == "-" else 1) * (int(m[2]) + Fraction(int(m[3]), int(m[4]))) if int(m[4]) else None
+    if not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
+        return None
+    scale, digits = exp - len(m[3] or ""), int(m[2].replace(",", "") + (m[3] or "") or "0")  # digits * 10^scale
+    v = Fraction(digits * 10 ** scale) if scale >= 0 else Fraction(digits, 10 ** -scale)
+    return -v if m[1] == "-" else v
+
+
+def decimal_key(s: str) -> tuple | None:
+    """(sign, integer digits, fraction digits) of a plain decimal without separators, linear time at any length."""
+    if not (m := _LONG.fullmatch(s)) or not (m[2] or m[3] or "0" in s):
+        return None
+    return ("-" if m[1] == "-" and (m[2] or m[3]) else ""), m[2], m[3] or ""
+
+
+def _root(c: Fraction, n: int) -> Fraction | None:
+    """The exact real n-th root of a rational c, or None (integer Newton from above on numerator and denominator)."""
+    out = []
+    for x in (abs(c.numerator), c.denominator):
+        r = 1 << -(-x.bit_length() // n)
+        while r and (y := ((n - 1) * r + x // r ** (n - 1)) // n) < r:
+            r = y
+        out.append(r)
+    return r if (r := Fraction(*out) * (-1 if c < 0 else 1)) ** n == c else None
+
+
+def _factor(n: int, bound: int) -> dict | None:
+    """{prime: exponent} of 0 < n by trial division over the primes below 1000; None if a cofactor > bound remains."""
+    out = {}
+    for p in _PRIMES:
+        if n < p * p:
+            break
+        while n % p == 0:
+            n, out[p] = n // p, out.get(p, 0) + 1
+    if n > 1:
+        if n > bound:
+            return None
+        out[n] = out.get(n, 0) + 1  # below 10^6 with no factor under 1000: a prime
+    return out
+
+
+_ONE = ((), ())  # the monomial 1: (radical ((p, e), ...), names ((x, f), ...)), both sorted
+_UNIT = {_ONE: Fraction(1)}  # the polynomial 1
+_NAMES = ("alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega", "pi")  # x
+_FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
+                         % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
+_TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
+_NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 2
+
+
+def _merge(a: tuple, b: tuple, scale: Fraction = Fraction(1)) -> tuple:
+    """{key: exponent} of a and b (scaled), as a sorted tuple without zeros."""
+    out = dict(a) if scale == 1 else {k: e * scale for k, e in a}
+    for k, e in b:
+        out[k] = out.get(k, 0) + e * scale
+    return tuple(sorted((k, e) for k, e in out.items() if e))
+
+
+def _radical(factors: dict) -> tuple[Fraction, tuple]:
+    """prod p^x (rational x) = c * prod p^e with 0 < e < 1: (c, ((p, e), ...))."""
+    c, rad = Fraction(1), []
+    for p, x in sorted(factors.items()):
+        k = x.numerator // x.denominator  # floor
+        c *= Fraction(p) ** k
+        if x != k:
+            rad.append((p, x - k))
+    return c, tuple(rad)
+
+
+class Form:
+    """Step 2: a value is (numerator, denominator), polynomials as dicts {monomial: Fraction}."""
+
+    def __init__(self, s: str):
+        if _NO_FORM.search(s):
+            raise ValueError(s)
+        self.toks, self.pos, self.work, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0, 0
+
+    def check(self, p: dict) -> dict:
+        p = {m: c for m, c in p.items() if c}
+        if len(p) > MAX_TERMS or any(max(c.numerator.bit_length(), c.denominator.bit_length()) > MAX_BITS
+                                     or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
+            raise ValueError("too large")
+        return p
+
+    def const(self, c: Fraction | int) -> tuple:
+        return self.check({_ONE: Fraction(c)}), _UNIT
+
+    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
+        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
+        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
+            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
+        return int(c) if integer else c
+
+    def mul(self, p: dict, q: dict) -> dict:
+        if (work := self.work + len(p) * len(q)) > MAX_WORK:
+            raise ValueError("too much work")
+        out, self.work = {}, work
+        for (r1, v1), x in p.items():
+            for (r2, v2), y in q.items():
+                c, rad = _radical(dict(_merge(r1, r2))) if r1 and r2 else (1, r1 or r2)  # sqrt2 sqrt2 = 2, i i = -1
+                key = (rad, _merge(v1, v2) if v1 and v2 else v1 or v2)
+                out[key] = out.get(key, 0) + (x * y if c == 1 else c * x * y)
+        return self.check(out)
+
+    def value(self, n: dict, d: dict) -> tuple:
+        if not d:
+            raise ZeroDivisionError
+        c = d.get(_ONE) if len(d) == 1 else None  # a rational denominator goes into the coefficients
+        return (n, d) if c is None else ({m: x / c for m, x in n.items()}, _UNIT)
+
+    def add(self, u: tuple, v: tuple, sign: int) -> tuple:
+        (a, b), (c, d) = u, v
+        a, c, b = (a, c, b) if b == d else (self.mul(a, d), self.mul(c, b), self.mul(b, d))
+        return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
+
+    def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
+        v = (v[1], v[0]) if divide else v
+        return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
+
+    def mono_power(self, p: dict, k: Fraction) -> dict:
+        """(c * radical * names)^k of a one-term polynomial, k > 0; an even root of an even power or of i is refused."""
+        ((rad, names), c), = p.items()
+        if k.denominator > 1 and (any(q == -1 for q, _ in rad) or k.denominator % 2 == 0
+                                  and any(f.denominator == 1 and f % 2 == 0 for _, f in names)):
+            raise ValueError("root")  # \sqrt{x^2} is |x|
+        if max(abs(c.numerator), c.denominator).bit_length() * k.numerator > MAX_BITS:
+            raise ValueError("power")
+        out = self.root(c ** k.numerator, k.denominator)[0]  # {(radical, ()): s}
+        if rad:
+            r, extra = _radical({q: e * k for q, e in rad})
+            out = self.mul(out, {(extra, ()): r})
+        if names:  # out holds no names yet
+            out = {(m[0], tuple((x, f * k) for x, f in names)): v for m, v in out.items()}
+        return self.check(out)
+
+    def power(self, v: tuple, k: Fraction) -> tuple:
+        if abs(k.numerator) > 10 ** 6:
+            raise ValueError("power")
+        if not v[0]:  # 0^k
+            return self.value({}, _UNIT) if k > 0 else self.value(_UNIT, {})
+        if len(v[0]) == 1 and len(v[1]) == 1:  # a monomial over a monomial: exponent arithmetic, no loop
+            n, d = self.mono_power(v[0], abs(k)), self.mono_power(v[1], abs(k))
+            return self.value(*((d, n) if k < 0 else (n, d)))
+        if k.denominator > 1:
+            raise ValueError("root of a sum")
+        out = (_UNIT, _UNIT)
+        for _ in range(abs(int(k))):  # MAX_WORK ends (1+i)^(10^6) early
+            out = self.times(out, v, divide=k < 0)
+        return out
+
+    def root(self, c: Fraction, n: int) -> tuple:
+        """c^(1/n) for a rational c: s * prod p^e with p prime (-1 for i), as a value."""
+        if (r := _root(c, n)) is not None:
+            return self.const(r)
+        if c < 0 and n % 2 == 0 and n != 2:  # \sqrt[4]{-4} has no real value
+            raise ValueError("root")
+        sign = -1 if c < 0 and n % 2 else 1
+        num, den = _factor(abs(c.numerator), MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
+        if num is None or den is None or max(abs(c.numerator), c.denominator) > MAX_RADICAND ** n:
+            raise ValueError("radicand")
+        factors = {p: Fraction(e, n) for p, e in num.items()}
+        for p, e in den.items():
+            factors[p] = factors.get(p, 0) - Fraction(e, n)
+        if c < 0 and n == 2:
+            factors[-1] = Fraction(1, 2)  # \sqrt{-4} = 2i
+        s, rad = _radical(factors)
+        if any(p > MAX_RADICAND for p, _ in rad):
+            raise ValueError("radicand")
+        return {(rad, ()): sign * s}, _UNIT
+
+    def take(self, *ops: str) -> str | None:
+        t = self.toks[self.pos] if self.toks[self.pos] in ops else None
+        self.pos += t is not None
+        return t
+
+    def expr(self, whole: bool = False) -> tuple:
+        v = self.term()
+        while t := self.take("+", "-"):
+            v = self.add(v, self.term(), 1 if t == "+" else -1)
+        if whole and self.toks[self.pos]:
+            raise ValueError(self.toks[self.pos])
+        return v
+
+    def term(self) -> tuple:
+        v = self.factor()
+        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS or (
+                t[:1].isdigit() and self.toks[self.pos - 1] == "!"):  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}, 2!4!
+            self.pos += t in _TIMES  # a number never follows anything else: x2, (x)2 are rejected
+            v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
+        return v
+
+    def factor(self, exponent: bool = False) -> tuple:
+        sign = 1
+        while t := self.take("+", "-"):
+            sign = -sign if t == "-" else sign
+        v = self.primary()
+        if not exponent and self.take("!"):  # 2^3! and 5!! are left over, so rejected: ambiguous, as 2^3^4
+            v = self.const(factorial(self.rational(v, integer=True)))
+        if not exponent and self.take("^"):
+            k = self.rational(self.factor(exponent=True))
+            if k == 0 and not v[0]:
+                raise ValueError("0^0")
+            v = self.power(v, k) if k else (_UNIT, _UNIT)
+        return v if sign > 0 else ({m: -c for m, c in v[0].items()}, v[1])
+
+    def primary(self) -> tuple:
+        t, self.pos = self.toks[self.pos], self.pos + 1
+        if t and t[0] in "0123456789." and len(t) <= MAX_NUMBER:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
+            num, _, rep = t.partition("\\overline")
+            rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
+            return self.const(Fraction(num) + rep)
+        if t[:1].isalpha() or t[1:] in _NAMES:
+            return {(((-1, Fraction(1, 2)),), ()) if t == "i" else ((), ((t, Fraction(1)),)): Fraction(1)}, _UNIT
+        if t in ("(", "{") and self.depth < MAX_DEPTH:
+            self.depth += 1
+            v, self.depth = self.expr(), self.depth - 1
+            if self.take(")" if t == "(" else "}"):
+                return v
+        if t == "\\sqrt":  # \sqrt[n]{c}
+            n, close = (self.rational(self.expr(), integer=True), self.take("]")) if self.take("[") else (2, "]")
+            if close and 2 <= n <= MAX_DEG:
+                return self.power(self.primary(), Fraction(1, n))
+        if t == "\\frac":
+            return self.times(self.primary(), self.primary(), divide=True)
+        if t == "\\binom":
+            return self.const(comb(self.rational(self.primary(), True), self.rational(self.primary(), True)))
+        if t == "\\log" and self.take("_"):  # log_b(a) = p/q iff b = c^q and a = c^p for a rational c
+            b, a = self.rational(self.primary()), self.rational(self.primary())
+            for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
+                if (c := _root(b, q)) is not None and c != 1:
+                    p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
+                    if abs(p) <= MAX_DEG and c ** p == a:
+                        return self.const(Fraction(p, q))
+        raise ValueError(t)
+
+
+class Power:
+    """Step 3: sign * prod p^E of products, quotients and powers of positive rationals, E exact (huge) integers."""
+
+    def __init__(self, s: str):
+        self.toks, self.pos, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0
+
+    def expr(self) -> tuple:
+        v = self.factor()
+        while (t := self.toks[self.pos]) in _TIMES or t in ("(", "{", "\\frac"):
+            self.pos += t in _TIMES
+            w = self.factor()
+            w = w if t not in ("/", "\\div") else (w[0], tuple((p, -e) for p, e in w[1]))
+            v = v[0] * w[0], _merge(v[1], w[1])
+        return v
+
+    def factor(self) -> tuple:
+        sign = 1
+        while t := self.toks[self.pos] if self.toks[self.pos] in ("+", "-") else None:
+            self.pos, sign = self.pos + 1, sign * (-1 if t == "-" else 1)
+        v = self.primary()
+        if self.toks[self.pos] == "^":
+            self.pos += 1
+            k = self.integer(self.primary())
+            if max(abs(e * k).bit_length() for _, e in v[1]) > 2 * MAX_BITS or v[0] < 0 and k < 0:
+                raise ValueError("power")
+            v = (v[0] ** (k % 2), tuple((p, e * k) for p, e in v[1] if k))
+        return sign * v[0], v[1]
+
+    def integer(self, v: tuple) -> int:
+        """The exact value of v when it is an integer of at most MAX_BITS bits."""
+        if any(e < 0 for _, e in v[1]) or sum(e * p.bit_length() for p, e in v[1]) > MAX_BITS + 64:
+            raise ValueError("exponent")
+        n = v[0]
+        for p, e in v[1]:
+            n *= p ** e
+        return n
+
+    def primary(self) -> tuple:
+        t, self.pos = self.toks[self.pos], self.pos + 1
+        if t[:1].isdigit() and len(t) <= MAX_NUMBER and (c := Fraction(t)):
+            num, den = _factor(c.numerator, MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
+            if num is None or den is None:
+                raise ValueError("factor")
+            return 1, _merge(tuple(num.items()), tuple((p, -e) for p, e in den.items()))
+        if t in ("(", "{") and self.depth < MAX_DEPTH:
+            self.depth += 1
+            v, self.depth = self.expr(), self.depth - 1
+            if self.toks[self.pos] == (")" if t == "(" else "}"):
+                self.pos += 1
+                return v
+        if t == "\\frac":
+            (s1, a), (s2, b) = self.primary(), self.primary()
+            return s1 * s2, _merge(a, tuple((p, -e) for p, e in b))
+        raise ValueError(t)
+
+
+def _power(s: str, x: Fraction | None) -> tuple:
+    p = Power(s if x is None else str(abs(x)))
+    v = p.expr()
+    if p.toks[p.pos]:
+        raise ValueError(p.toks[p.pos])
+    return (-v[0] if x is not None and x < 0 else v[0]), v[1]
+
+
+def same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
+    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1,
+    or (past the bounds of the form) equal Powers."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))  # about 5 frames per bracket level
+    try:
+        try:
+            p = Form(a if x is None else "")
+            u = p.expr(whole=True) if x is None else p.const(x)
+            (n1, d1), (n2, d2) = u, Form(b).expr(whole=True) if y is None else p.const(y)
+            return p.mul(n1, d2) == p.mul(n2, d1)
+        except (ValueError, ZeroDivisionError, RecursionError):
+            pass
+        if "^" not in a + b or (x == 0 or y == 0):
+            return False
+        try:
+            return _power(a, x) == _power(b, y)
+        except (ValueError, ZeroDivisionError, RecursionError):
+            return False
+    finally:
+        sys.setrecursionlimit(limit)

@@ -209,7 +209,7 @@ class Form:
             raise ValueError("root")
         sign = -1 if c < 0 and n % 2 else 1
         num, den = _factor(abs(c.numerator), MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
-        if num is None or den is None or max(abs(c.numerator), c.denominator) > MAX_RADICAND ** n:
+        if num is None or den is None or max(abs(c.numerator), c.denominator) > MAX_RADICAND:
             raise ValueError("radicand")
         factors = {p: Fraction(e, n) for p, e in num.items()}
         for p, e in den.items():

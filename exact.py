@@ -152,7 +152,8 @@ class Form:
             for (r2, v2), y in q.items():
                 c, rad = _radical(dict(_merge(r1, r2))) if r1 and r2 else (1, r1 or r2)  # sqrt2 sqrt2 = 2, i i = -1
                 key = (rad, _merge(v1, v2) if v1 and v2 else v1 or v2)
-                out[key] = out.get(key, 0) + (x * y if c == 1 else c * x * y)
+                z = x * y if c == 1 else c * x * y
+                out[key] = out[key] + z if key in out else z
         return self.check(out)
 
     def value(self, n: dict, d: dict) -> tuple:
@@ -167,6 +168,9 @@ class Form:
         return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
 
     def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
+        if u[1] == _UNIT == v[1] and len(u[0]) == 1 == len(v[0]) and _ONE in u[0] and _ONE in v[0]:  # rationals
+            self.work += 1
+            return self.const(u[0][_ONE] / v[0][_ONE] if divide else u[0][_ONE] * v[0][_ONE])
         v = (v[1], v[0]) if divide else v
         return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
 
@@ -354,6 +358,10 @@ def _power(s: str, x: Fraction | None) -> tuple:
 def same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
     """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1,
     or (past the bounds of the form) equal Powers."""
+    x = rational_value(a) if x is None else x  # numbers first: iterative, no recursion
+    y = rational_value(b) if y is None else y
+    if x is not None and y is not None:
+        return x == y
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))  # about 5 frames per bracket level
     try:
@@ -372,3 +380,102 @@ def same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
             return False
     finally:
         sys.setrecursionlimit(limit)
+
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "u": 3, "^": 4}  # u: unary minus (-2^2 = -4)
+_OPS = {"\\cdot": "*", "\\times": "*", "\\div": "/", "*": "*", "/": "/", "+": "+", "-": "-", "^": "^"}
+
+
+def _apply(vals: list, op: str) -> None:
+    b = vals.pop()
+    if op == "u":
+        return vals.append(-b)
+    a = vals.pop()
+    if op == "^":
+        if b.denominator != 1 or abs(b) > MAX_BITS or max(a.numerator.bit_length(), a.denominator.bit_length()) * abs(
+                b) > MAX_BITS or a == 0 and b <= 0:
+            raise ValueError("power")
+        return vals.append(a ** int(b))
+    vals.append(a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a / b)
+
+
+def _arith_tokens(toks: list) -> list | None:
+    """\\frac{a}{b} -> ((a)/(b)), {a} -> (a), implicit products made explicit; None on anything else."""
+    out, kinds, expect = [], [], None
+    for t in toks:
+        if expect == "den" and t != "{":
+            return None
+        if t == "\\frac":
+            expect = "num"
+            continue
+        if t == "{":
+            kind, expect = expect or "plain", None
+            kinds.append(kind)
+            new = ["/", "("] if kind == "den" else ["(", "("] if kind == "num" else ["("]
+        elif t == "}":
+            if not kinds:
+                return None
+            kind = kinds.pop()
+            new, expect = [")", ")"] if kind == "den" else [")"], "den" if kind == "num" else None
+        elif t in _OPS or t in ("(", ")") or t[0] in "0123456789." and "\\" not in t and len(t) <= MAX_NUMBER:
+            new = [_OPS.get(t, t)]
+        else:
+            return None
+        if expect == "num":
+            return None
+        if new == ["^"] and _after_power(out):
+            return None  # 2^3^4 and 2^{3}^4 are ambiguous
+        if out and (out[-1] == ")" or out[-1][0] in "0123456789.") and new[0] == "(":
+            out.append("*")  # 2(3), (1)(2), 2\\frac{1}{2} is not here: normalised to 2(1/2) before
+        elif out and (out[-1] == ")" or out[-1][0] in "0123456789.") and new[0][0] in "0123456789.":
+            return None  # 2 3, (1)2: no implicit products of numbers
+        out += new
+    return out if not kinds and expect is None else None
+
+
+def _after_power(out: list) -> bool:
+    """True when the operand that ends out (a number or a bracket group) is itself an exponent."""
+    k, depth = len(out) - 1, 0
+    while k > 0 and (depth or out[k] == ")"):
+        depth += (out[k] == ")") - (out[k] == "(")
+        k -= 1 if depth else 0
+        if not depth:
+            break
+    return k > 0 and out[k - 1] == "^"
+
+
+def rational_value(s: str) -> Fraction | None:
+    """The value of a purely numeric expression (numbers, + - * / ^, brackets, \\frac, \\cdot), iteratively: a
+    shunting-yard pass, so a fraction nested 400 deep costs no recursion; None if it is anything else."""
+    toks = _arith_tokens(_FORM_TOKEN.findall(s)) if s.count("^") <= MAX_DEG and not _NO_FORM.search(s) else None
+    if not toks:
+        return None
+    vals, ops, prev = [], [], "("
+    try:
+        for t in toks:
+            if t == "(":
+                ops.append(t)
+            elif t == ")":
+                while ops[-1] != "(":
+                    _apply(vals, ops.pop())
+                ops.pop()
+            elif t[0] in "0123456789.":
+                vals.append(Fraction(t))
+            elif prev in ("(", "+", "-", "*", "/", "^", "u") and t in "+-":
+                if t == "-":
+                    ops.append("u")  # a prefix operator pops nothing
+                t = "u" if t == "-" else prev  # a leading + is nothing
+            else:
+                _push(vals, ops, t)
+            prev = t
+        while ops:
+            _apply(vals, ops.pop())
+        return vals[0] if len(vals) == 1 else None
+    except (IndexError, ValueError, ZeroDivisionError, KeyError):
+        return None
+
+
+def _push(vals: list, ops: list, op: str) -> None:
+    while ops and ops[-1] != "(" and (_PREC[ops[-1]] > _PREC[op] or _PREC[ops[-1]] == _PREC[op] and op not in "^u"):
+        _apply(vals, ops.pop())
+    ops.append(op)

@@ -37,7 +37,7 @@ from fractions import Fraction
 import exact
 from exact import MAX_NUMBER, decimal_key, number as _number
 
-MAX_ANSWER = 500  # characters: longer answers are equal only when identical (or the same plain decimal)
+MAX_ANSWER = 4000  # characters: longer answers are equal only when identical (or the same plain decimal)
 MAX_LONG = 100_000  # characters: longer ones are never equal
 MAX_COMMITS = 32  # commitments per completion; more is no answer
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
@@ -73,7 +73,7 @@ def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
             if k > j and (m := _TOKEN.match(text, k, hi)):
                 out.append((i, m.end(), m.group()))  # \boxed 5
             continue
-        stop, depth, p = min(hi, k + 4 * MAX_LONG // 100), 1, k + 1  # balanced braces: find "}", count "{" between
+        stop, depth, p = min(hi, k + MAX_ANSWER), 1, k + 1  # balanced braces: find "}", count "{" between
         while (q := text.find("}", p, stop)) >= 0:
             depth += text.count("{", p, q) - 1
             p = q + 1
@@ -107,21 +107,17 @@ def _clip(rest: str) -> tuple[str, int]:
 def _commitments(text: str) -> tuple[list, int] | None:
     """[(start, end, answer, is_box)] in text order and the start of an unfinished commitment after them (-1 if
     none), or None when there are more than MAX_COMMITS."""
-    if text.count("\\boxed") + text.count("\\fbox") > MAX_COMMITS:
+    hashes, said = text.count("####"), _ANSWER_IS.findall(text, 0, 100 * MAX_ANSWER)
+    if text.count("\\boxed") + text.count("\\fbox") + hashes + len(said) > MAX_COMMITS:
         return None
     out, unfinished = _boxes(text, 0, len(text))
     out = [(i, j, a, True) for i, j, a in out]
     boxed = [(i, j) for i, j, *_ in out]
-    for m in _HASHES.finditer(text):
-        if len(out) > MAX_COMMITS:
-            return None
-        line = m[1]
-        if line.strip() and not _BOX.search(line) and not _ANSWER_IS.search(line):  # else the inner one counts
-            a, k = _clip(line)
+    for m in _HASHES.finditer(text) if hashes else ():
+        a, k = _clip(m[1])
+        if a and not _BOX.search(a) and not _ANSWER_IS.search(a):  # else the inner one counts
             out.append((m.start(), m.start(1) + k, a, False))
-    for m in _ANSWER_IS.finditer(text):
-        if len(out) > MAX_COMMITS:
-            return None
+    for m in _ANSWER_IS.finditer(text) if said else ():
         clause = re.split(r"[,;:.!?]\s|\n", text[max(0, m.start() - 200):m.start()])[-1]
         nl = text.find("\n", m.end(), m.end() + MAX_ANSWER)
         base, line = m.end(), text[m.end():nl if nl >= 0 else m.end() + MAX_ANSWER]
@@ -130,9 +126,9 @@ def _commitments(text: str) -> tuple[list, int] | None:
             base, line = (nxt.start(1), nxt[1]) if nxt else (base, "")
         if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j in boxed):
             continue
-        if _BOX.search(line) or _ANSWER_IS.search(line):
-            continue  # its box, or the "answer is" inside "Final answer: the answer is 5", counts
         a, k = _clip(line)
+        if _BOX.search(a) or _ANSWER_IS.search(a):
+            continue  # its box, or the "answer is" inside "Final answer: the answer is 5", counts
         if a:
             out.append((m.start(), base + k, a, False))
         elif not text[m.end():].strip(" \t:*$\n"):
@@ -202,7 +198,7 @@ _SPELL = [(re.compile(a), b) for a, b in (
     (r"\{,\}", ","), (r"\{([+-])\}", r"\1"), (r"\\lbrace|\\\{", r"\\{"), (r"\\rbrace|\\\}", r"\\}"), (r"\\lbrack", "["),
     (r"\\rbrack", "]"), (r"\\begin\{[pb]?matrix\}", r"\\begin{matrix}"), (r"\\end\{[pb]?matrix\}", r"\\end{matrix}"),
     (r"\\leq?(?![a-z])|<=|\\leqslant", r"\\le "), (r"\\geq?(?![a-z])|>=|\\geqslant", r"\\ge "), (r"\\neq?(?![a-z])", r"\\ne "),
-    (r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"), (r",?\s+and\s+", ", "))]
+    (r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"))]
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
 _TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
@@ -260,7 +256,7 @@ def _dots(m: re.Match) -> str:
 
 
 def _normalize(s: str) -> str:
-    s = s.strip().lower()
+    s = s.strip().lower().replace("...", "\\ldots")
     if s.startswith(("\\boxed", "\\fbox")) and (b := _boxes(s, 0, len(s))[0]) and b[0][1] == len(s):
         s = b[0][2]  # a whole-answer box
     s = "".join(_UNICODE.get(c, c) for c in s) if not s.isascii() else s
@@ -272,7 +268,7 @@ def _normalize(s: str) -> str:
         s = a.sub(b, s.strip())
     s = _SQRT.sub(r"\1{\2}", s)
     s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
-    s = _NUMWORD.sub(_number_words, s.strip().rstrip(".").strip())
+    s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s.strip().rstrip(".").strip()))
     s = _UNITS.sub("", s.strip())
     if re.fullmatch(r"[a-z][a-z' -]*", s):  # a word answer: no article, singular
         s = _PLURAL.sub(lambda m: m[1] + ("y" if m[2] == "ies" else "") if len(m[0]) > 3 else m[0],
@@ -329,7 +325,7 @@ def _relation(s: str) -> str:
         p = [p[2], {"<": ">", ">": "<", "\\le": "\\ge", "\\ge": "\\le"}[p[1]], p[0]]
     if len(p) == 3 and _LHS.fullmatch(p[0] + "=") and p[2]:
         return {"<": "(-\\infty,%s)", "\\le": "(-\\infty,%s]", ">": "(%s,\\infty)", "\\ge": "[%s,\\infty)"}[p[1]] % p[2]
-    if len(p) == 5 and p[1] == p[3] and p[1] in ("<", "\\le") and _LHS.fullmatch(p[2] + "=") and p[0] and p[4]:
+    if len(p) == 5 and {p[1], p[3]} <= {"<", "\\le"} and _LHS.fullmatch(p[2] + "=") and p[0] and p[4]:
         return ("(" if p[1] == "<" else "[") + p[0] + "," + p[4] + (")" if p[3] == "<" else "]")
     return s
 
@@ -361,6 +357,8 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
     x, y = _number(a), _number(b)
     if x is not None and y is not None:
         return x == y
+    if x is None and y is None and max(len(a), len(b)) > MAX_NUMBER and (k := decimal_key(a)) is not None:
+        return k == decimal_key(b)  # plain decimals too long to convert, digit by digit
     pa, pb = _parts(a), _parts(b)
     if x is not None or y is not None or pa is None or pb is None:  # an expression on one side: the normal form decides
         return exact.same(a, x, b, y)

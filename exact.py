@@ -101,12 +101,16 @@ _TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", 
 _NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 2
 
 
-def _merge(a: tuple, b: tuple, scale: Fraction = Fraction(1)) -> tuple:
-    """{key: exponent} of a and b (scaled), as a sorted tuple without zeros."""
-    out = dict(a) if scale == 1 else {k: e * scale for k, e in a}
+def _int(e: Fraction | int) -> Fraction | int:
+    return int(e) if type(e) is int or e.denominator == 1 else e  # ints hash fast: keys hold exponents
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    """{key: exponent} of a and b, as a sorted tuple without zeros."""
+    out = dict(a)
     for k, e in b:
-        out[k] = out.get(k, 0) + e * scale
-    return tuple(sorted((k, e) for k, e in out.items() if e))
+        out[k] = out[k] + e if k in out else e
+    return tuple(sorted((k, _int(e)) for k, e in out.items() if e))
 
 
 def _radical(factors: dict) -> tuple[Fraction, tuple]:
@@ -182,12 +186,12 @@ class Form:
             raise ValueError("root")  # \sqrt{x^2} is |x|
         if max(abs(c.numerator), c.denominator).bit_length() * k.numerator > MAX_BITS:
             raise ValueError("power")
-        out = self.root(c ** k.numerator, k.denominator)[0]  # {(radical, ()): s}
+        out = {_ONE: c ** k.numerator} if k.denominator == 1 else self.root(c ** k.numerator, k.denominator)[0]
         if rad:
             r, extra = _radical({q: e * k for q, e in rad})
             out = self.mul(out, {(extra, ()): r})
         if names:  # out holds no names yet
-            out = {(m[0], tuple((x, f * k) for x, f in names)): v for m, v in out.items()}
+            out = {(m[0], tuple((x, _int(f * k)) for x, f in names)): v for m, v in out.items()}
         return self.check(out)
 
     def power(self, v: tuple, k: Fraction) -> tuple:
@@ -267,7 +271,7 @@ class Form:
             rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
             return self.const(Fraction(num) + rep)
         if t[:1].isalpha() or t[1:] in _NAMES:
-            return {(((-1, Fraction(1, 2)),), ()) if t == "i" else ((), ((t, Fraction(1)),)): Fraction(1)}, _UNIT
+            return {(((-1, Fraction(1, 2)),), ()) if t == "i" else ((), ((t, 1),)): Fraction(1)}, _UNIT
         if t in ("(", "{") and self.depth < MAX_DEPTH:
             self.depth += 1
             v, self.depth = self.expr(), self.depth - 1

@@ -42,11 +42,12 @@ MAX_LONG = 100_000  # characters: longer ones are never equal
 MAX_COMMITS = 32  # commitments per completion; more is no answer
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
 MAX_STEPS = 256  # steps scored by step_rewards; later ones are ignored
+TOO_LONG = "\x00"  # the answer of a commitment past MAX_ANSWER: equal to nothing
 EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<eos>")
 
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 _ANSWER_IS = re.compile(r"answer(?: is\b|[ \t*]*:|\s*=)", re.I)  # "the (final) answer is", "Final Answer:"
-_HASHES = re.compile(r"####[ \t#]*([^\n]*)")
+_HASHES = re.compile(r"####[ \t#]*([^\n]{0,%d})" % (MAX_ANSWER + 1))  # longer: no answer, never a prefix of one
 _GOAL = re.compile(r"\b(?:if|whether|suppose|assum\w*|need|needs|must|want|prove|show|check|verify|claim|guess|expect"
                    r"|unless|until|why|how|what|maybe|perhaps|possibly|probably|might|could|hypothe\w*)\b", re.I)
 _RETRACT = re.compile(r"\b(?:wait|hmm+|oops|actually|mistakes?|mistaken|wrong|incorrect|erroneous|miscalculat\w*"
@@ -115,6 +116,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
     boxed = [(i, j) for i, j, *_ in out]
     for m in _HASHES.finditer(text) if hashes else ():
         a, k = _clip(m[1])
+        a = a if k <= MAX_ANSWER else TOO_LONG
         if a and not _BOX.search(a) and not _ANSWER_IS.search(a):  # else the inner one counts
             out.append((m.start(), m.start(1) + k, a, False))
     for m in _ANSWER_IS.finditer(text) if said else ():
@@ -127,6 +129,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
         if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j in boxed):
             continue
         a, k = _clip(line)
+        a = a if k < MAX_ANSWER else TOO_LONG
         if _BOX.search(a) or _ANSWER_IS.search(a):
             continue  # its box, or the "answer is" inside "Final answer: the answer is 5", counts
         if a:
@@ -141,6 +144,8 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
     close = text.find("</answer>")
     start = text.find("<answer>", 0, close) if close >= 0 else -1
     if start >= 0 and depth == 0:  # r1 format: the blocks, then whatever follows the last one
+        if text.count("</answer>") > MAX_COMMITS:
+            return None, True
         answers, pos = [], start
         while (close := text.find("</answer>", pos)) >= 0 and (open_ := text.rfind("<answer>", pos, close)) >= 0:
             inner = text[open_ + 8:close]
@@ -152,7 +157,7 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
             answers.append(tail)
         elif _RETRACT.search(text, pos, pos + 1000):
             return None, True
-        ok = all(answers) and all(is_equiv(a, answers[-1]) for a in answers[:-1])
+        ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
         return (answers[-1] if ok else None), True
     found = _commitments(text)
     if found is None:
@@ -181,7 +186,7 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
         k = max(text.rfind(c) for c in "0123456789") + 1
         m = _NUMBER_AT_END.search(text, max(0, k - MAX_NUMBER), k) if k else None
         return m.group().rstrip(",") if m else None
-    return answer
+    return answer if answer != TOO_LONG else None
 
 
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox"
@@ -194,11 +199,13 @@ _UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\
     c: "\\frac{%d}{%d}" % f for c, f in zip("½⅓⅔¼¾⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞", [(1, 2), (1, 3), (2, 3), (1, 4), (3, 4), (1, 5), (2, 5), (3, 5),
                                                            (4, 5), (1, 6), (5, 6), (1, 8), (3, 8), (5, 8), (7, 8)])}
 _SUPER = re.compile("[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+")
-_SPELL = [(re.compile(a), b) for a, b in (
-    (r"\{,\}", ","), (r"\{([+-])\}", r"\1"), (r"\\lbrace|\\\{", r"\\{"), (r"\\rbrace|\\\}", r"\\}"), (r"\\lbrack", "["),
-    (r"\\rbrack", "]"), (r"\\begin\{[pb]?matrix\}", r"\\begin{matrix}"), (r"\\end\{[pb]?matrix\}", r"\\end{matrix}"),
-    (r"\\leq?(?![a-z])|<=|\\leqslant", r"\\le "), (r"\\geq?(?![a-z])|>=|\\geqslant", r"\\ge "), (r"\\neq?(?![a-z])", r"\\ne "),
-    (r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"))]
+_SPELL = [(t, re.compile(a), b) for t, a, b in (  # (a substring that must be there, pattern, replacement)
+    ("{,}", r"\{,\}", ","), ("}", r"\{([+-])\}", r"\1"), ("\\", r"\\lbrace|\\\{", r"\\{"),
+    ("\\", r"\\rbrace|\\\}", r"\\}"), ("\\lbrack", r"\\lbrack", "["), ("\\rbrack", r"\\rbrack", "]"),
+    ("matrix", r"\\begin\{[pb]?matrix\}", r"\\begin{matrix}"), ("matrix", r"\\end\{[pb]?matrix\}", r"\\end{matrix}"),
+    ("\\", r"\\leq?(?![a-z])|\\leqslant", r"\\le "), ("<=", "<=", r"\\le "), (">=", ">=", r"\\ge "),
+    ("\\", r"\\geq?(?![a-z])|\\geqslant", r"\\ge "), ("\\", r"\\neq?(?![a-z])", r"\\ne "),
+    ("/", r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"))]
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
 _TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
@@ -264,8 +271,8 @@ def _normalize(s: str) -> str:
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
         s = _TEXT.sub(r" \1", s)
-    for a, b in _SPELL:
-        s = a.sub(b, s.strip())
+    for t, a, b in _SPELL:
+        s = a.sub(b, s.strip()) if t in s else s
     s = _SQRT.sub(r"\1{\2}", s)
     s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
     s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s.strip().rstrip(".").strip()))
@@ -386,7 +393,7 @@ def _long_equal(a: str, b: str) -> bool:
 
 def is_equiv(pred: str | None, gold: str | None) -> bool:
     """True when the two answers are the same after normalisation (exact rationals for numbers): steps 2-3."""
-    if pred is None or gold is None or len(pred) > MAX_LONG or len(gold) > MAX_LONG:
+    if pred is None or gold is None or len(pred) > MAX_LONG or len(gold) > MAX_LONG or TOO_LONG in (pred, gold):
         return False
     if len(pred) > MAX_ANSWER or len(gold) > MAX_ANSWER:
         return bool(pred.strip()) and _long_equal(pred, gold)

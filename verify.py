@@ -222,6 +222,7 @@ _WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eig
 _WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
 _SCALES = {"hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
 _NUMWORD = re.compile(r"(?:(?:\d+(?:\.\d+)?|%s)(?:[\s-]+|$))+" % "|".join(["and", "a"] + list(_WORDS) + list(_SCALES)))
+_LETTERS = re.compile(r"(?<!\\)\b[a-z]{2,}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
 _RELATION = re.compile(r"(<|>|\\le|\\ge)")
 _BASE = re.compile(r"([0-9a-z]+)_\{(\d+)\}")
@@ -275,14 +276,16 @@ def _normalize(s: str) -> str:
         s = a.sub(b, s.strip()) if t in s else s
     s = _SQRT.sub(r"\1{\2}", s)
     s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
-    s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s.strip().rstrip(".").strip()))
+    s = s.strip().rstrip(".").strip()
+    if _LETTERS.search(s):  # number words, and "a and b" as a list
+        s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s))
     s = _UNITS.sub("", s.strip())
     if re.fullmatch(r"[a-z][a-z' -]*", s):  # a word answer: no article, singular
         s = _PLURAL.sub(lambda m: m[1] + ("y" if m[2] == "ies" else "") if len(m[0]) > 3 else m[0],
                         re.sub(r"^(?:the|an?) ", "", s))
     s = re.sub(r"\s+", "", s)
     s = _DOTS.sub(_dots, s) if "." in s else s
-    for _ in range(4):  # outer \frac first, then the ones it held
+    for _ in range(4 if s.count("\\frac") <= 16 else 0):  # outer \frac first, then the ones it held
         s = _SIMPLE_FRAC.sub(_slash, s)
     for _ in range(8):  # "{5}" -> "5"; bounded, each check is a linear scan
         s = s[1:-1] if s.startswith("{") and _wraps(s) else s
@@ -301,6 +304,8 @@ def _wraps(s: str) -> bool:
 
 def _split(s: str, sep: str = ",") -> list[str]:
     """Split at top-level separators (outside any bracket)."""
+    if sep not in s:
+        return [s]
     items, depth, start = [], 0, 0
     for i, c in enumerate(s):
         depth += (c in "([{") - (c in ")]}")

@@ -1,38 +1,35 @@
 r"""The exact normal form behind verify.is_equiv: numbers as Fractions, expressions as canonical rational functions.
 
-Pure Python on normalised answer strings (verify._normalize's output): no eval, no CAS, every size bounded.
-
-1. number(s): a plain number (1,000  2.50  1e3  2(1/2), a mixed number) as an exact Fraction, or None;
-   decimal_key(s) compares plain decimals too long to convert (the same 2,000-digit integer twice) digit by digit.
-2. Form, the normal form: numerator / denominator, expanded polynomials in the names that appear (x, a_1,
-   \theta, \pi, e; i is the imaginary unit). A monomial is c * prod p^e * prod x^f with c rational, p prime or -1
-   (i = (-1)^(1/2)), 0 < e < 1 rational, f rational. By Besicovitch's theorem the real radicals prod p^e with
-   0 <= e < 1 are linearly independent over Q, and i is not real, so the form is canonical: n1/d1 = n2/d2 iff
-   n1 d2 == n2 d1. Recursive descent:
+Pure Python on normalised answers (verify._normalize's output): no eval, no CAS, every size bounded (MAX_*).
+1. number: a plain number (1,000  2.50  1e3  2(1/2)) as a Fraction; decimal_key: longer decimals, digit by digit;
+   value: a numeric expression (+ - * / ^, brackets, \frac), one iterative pass (fractions 400 deep).
+2. Form: numerator / denominator, expanded polynomials in the names that appear (x, a_1, \theta, \pi, e; i is the
+   imaginary unit); a monomial is c * prod p^e * prod x^f, c rational, p prime or -1 (i = (-1)^(1/2)), 0 < e < 1,
+   f rational. The radicals prod p^e (0 <= e < 1) are linearly independent over Q (Besicovitch) and i is not real,
+   so the form is canonical: n1/d1 = n2/d2 iff n1 d2 == n2 d1. Recursive descent:
      expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
      factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
      primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
-   Roots and powers: rational radicands factor over primes (\sqrt{8} = 2\sqrt{2}, 3\sqrt[3]{2} = \sqrt[3]{54},
-   3^{1/3} = \sqrt[3]{3}); a fractional power of a monomial multiplies its exponents (y^{1/2} = \sqrt{y}), except
-   an even root of an even power (\sqrt{x^2} is |x|, not x); logs only where exact (\log_2 8 = 3). No form, never
-   equal: words ("yes" is no y*e*s), f(x), x+2(1/2) (mixed?), \cdots, \pm, 2^3^4, \sqrt[4]{-4}, sizes past MAX_*.
-3. Power (the fallback past MAX_BITS): a product of powers of integers as {prime: exact integer exponent}, so
-   2^{2^{100}} = 4^{2^{99}} and \frac{2^{2^{100}}}{2^{2^{100}}} = 1 by exponent arithmetic, never by evaluation.
-4. same(a, x, b, y): True iff both answers have forms (x, y: values of plain numbers) with n1 d2 == n2 d1, or
-   both are Powers with identical factorisations.
+   Radicands factor over primes (3\sqrt[3]{2} = \sqrt[3]{54}, 3^{1/3} = \sqrt[3]{3}); a fractional power of a
+   monomial scales its exponents (y^{1/2} = \sqrt{y}) but an even root of an even power is refused (\sqrt{x^2} is
+   |x|); logs only where exact. No form, never equal: words ("yes" is no y*e*s), f(x), x+2(1/2), \cdots, \pm,
+   2^3^4, \sqrt[4]{-4}, anything past MAX_*.
+3. value(s, big=True), past MAX_BITS: products, powers of rationals as (sign, {prime: exact exponent}): 2^{2^{100}} =
+   4^{2^{99}}, \frac{2^{2^{100}}}{2^{2^{100}}} = 1 by exponent arithmetic, never by evaluation.
+4. same(a, x, b, y): numbers by value, else forms by n1 d2 == n2 d1, else equal factorisations (step 3).
 
 Tests: python -m pytest -q tests/test_verify.py
 """
 import re
 import sys
 from fractions import Fraction
-from math import comb, factorial, gcd, log
+from math import comb, factorial, log
 
 MAX_NUMBER = 300  # characters of one number converted to a Fraction; longer plain decimals compare digit-wise
 MAX_EXP = 1000  # |exponent| of 1e5 / 10^{5}; 10^100000 is rejected, not computed
 MAX_TERMS = 64  # terms of one polynomial of the normal form; (x+y+z)^6 has 28
 MAX_DEG = 32  # degree of a monomial, index of a root
-MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767), of a Power's exponent
+MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767), of an exponent in step 3
 MAX_FACT = 500  # largest n of n! and \binom{n}{k}
 MAX_RADICAND = 10 ** 6  # numerator and denominator of a radicand, after its perfect powers (primes < 1000)
 MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
@@ -61,9 +58,8 @@ def number(s: str) -> Fraction | None:
 
 def decimal_key(s: str) -> tuple | None:
     """(sign, integer digits, fraction digits) of a plain decimal without separators, linear time at any length."""
-    if not (m := _LONG.fullmatch(s)) or not (m[2] or m[3] or "0" in s):
-        return None
-    return ("-" if m[1] == "-" and (m[2] or m[3]) else ""), m[2], m[3] or ""
+    ok = (m := _LONG.fullmatch(s)) and (m[2] or m[3] or "0" in s)
+    return (("-" if m[1] == "-" and (m[2] or m[3]) else ""), m[2], m[3] or "") if ok else None
 
 
 def _root(c: Fraction, n: int) -> Fraction | None:
@@ -85,11 +81,9 @@ def _factor(n: int, bound: int) -> dict | None:
             break
         while n % p == 0:
             n, out[p] = n // p, out.get(p, 0) + 1
-    if n > 1:
-        if n > bound:
-            return None
-        out[n] = out.get(n, 0) + 1  # below 10^6 with no factor under 1000: a prime
-    return out
+    if n > bound:
+        return None
+    return out | ({n: 1} if n > 1 else {})  # below 10^6 with no factor under 1000: a prime
 
 
 _ONE = ((), ())  # the monomial 1: (radical ((p, e), ...), names ((x, f), ...)), both sorted
@@ -111,6 +105,10 @@ def _merge(a: tuple, b: tuple) -> tuple:
     for k, e in b:
         out[k] = out[k] + e if k in out else e
     return tuple(sorted((k, _int(e)) for k, e in out.items() if e))
+
+
+def _inverse(a: tuple) -> tuple:
+    return tuple((p, -e) for p, e in a)
 
 
 def _radical(factors: dict) -> tuple[Fraction, tuple]:
@@ -295,93 +293,28 @@ class Form:
         raise ValueError(t)
 
 
-class Power:
-    """Step 3: sign * prod p^E of products, quotients and powers of positive rationals, E exact (huge) integers."""
-
-    def __init__(self, s: str):
-        self.toks, self.pos, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0
-
-    def expr(self) -> tuple:
-        v = self.factor()
-        while (t := self.toks[self.pos]) in _TIMES or t in ("(", "{", "\\frac"):
-            self.pos += t in _TIMES
-            w = self.factor()
-            w = w if t not in ("/", "\\div") else (w[0], tuple((p, -e) for p, e in w[1]))
-            v = v[0] * w[0], _merge(v[1], w[1])
-        return v
-
-    def factor(self) -> tuple:
-        sign = 1
-        while t := self.toks[self.pos] if self.toks[self.pos] in ("+", "-") else None:
-            self.pos, sign = self.pos + 1, sign * (-1 if t == "-" else 1)
-        v = self.primary()
-        if self.toks[self.pos] == "^":
-            self.pos += 1
-            k = self.integer(self.primary())
-            if max(abs(e * k).bit_length() for _, e in v[1]) > 2 * MAX_BITS or v[0] < 0 and k < 0:
-                raise ValueError("power")
-            v = (v[0] ** (k % 2), tuple((p, e * k) for p, e in v[1] if k))
-        return sign * v[0], v[1]
-
-    def integer(self, v: tuple) -> int:
-        """The exact value of v when it is an integer of at most MAX_BITS bits."""
-        if any(e < 0 for _, e in v[1]) or sum(e * p.bit_length() for p, e in v[1]) > MAX_BITS + 64:
-            raise ValueError("exponent")
-        n = v[0]
-        for p, e in v[1]:
-            n *= p ** e
-        return n
-
-    def primary(self) -> tuple:
-        t, self.pos = self.toks[self.pos], self.pos + 1
-        if t[:1].isdigit() and len(t) <= MAX_NUMBER and (c := Fraction(t)):
-            num, den = _factor(c.numerator, MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
-            if num is None or den is None:
-                raise ValueError("factor")
-            return 1, _merge(tuple(num.items()), tuple((p, -e) for p, e in den.items()))
-        if t in ("(", "{") and self.depth < MAX_DEPTH:
-            self.depth += 1
-            v, self.depth = self.expr(), self.depth - 1
-            if self.toks[self.pos] == (")" if t == "(" else "}"):
-                self.pos += 1
-                return v
-        if t == "\\frac":
-            (s1, a), (s2, b) = self.primary(), self.primary()
-            return s1 * s2, _merge(a, tuple((p, -e) for p, e in b))
-        raise ValueError(t)
-
-
-def _power(s: str, x: Fraction | None) -> tuple:
-    p = Power(s if x is None else str(abs(x)))
-    v = p.expr()
-    if p.toks[p.pos]:
-        raise ValueError(p.toks[p.pos])
-    return (-v[0] if x is not None and x < 0 else v[0]), v[1]
-
-
 def same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
     """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1,
-    or (past the bounds of the form) equal Powers."""
-    x = rational_value(a) if x is None else x  # numbers first: iterative, no recursion
-    y = rational_value(b) if y is None else y
+    or (past the bounds of the form) equal factorisations."""
+    x = value(a) if x is None else x  # numbers first: iterative, no recursion
+    y = value(b) if y is None else y
     if x is not None and y is not None:
         return x == y
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))  # about 5 frames per bracket level
     try:
-        try:
-            p = Form(a if x is None else "")
-            u = p.expr(whole=True) if x is None else p.const(x)
-            (n1, d1), (n2, d2) = u, Form(b).expr(whole=True) if y is None else p.const(y)
-            return p.mul(n1, d2) == p.mul(n2, d1)
-        except (ValueError, ZeroDivisionError, RecursionError):
-            pass
-        if "^" not in a + b or (x == 0 or y == 0):
+        p = Form(a if x is None else "")
+        u = p.expr(whole=True) if x is None else p.const(x)
+        (n1, d1), (n2, d2) = u, Form(b).expr(whole=True) if y is None else p.const(y)
+        return p.mul(n1, d2) == p.mul(n2, d1)
+    except (ValueError, ZeroDivisionError, RecursionError):
+        if "^" not in a + b or x == 0 or y == 0:
             return False
-        try:
-            return _power(a, x) == _power(b, y)
-        except (ValueError, ZeroDivisionError, RecursionError):
+        try:  # past the form's bounds: exponent arithmetic
+            u, v = (_big(x) if x is not None else value(a, True)), (_big(y) if y is not None else value(b, True))
+        except ValueError:
             return False
+        return u is not None and u == v
     finally:
         sys.setrecursionlimit(limit)
 
@@ -390,24 +323,45 @@ _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "u": 3, "^": 4}  # u: unary minus (-2^2
 _OPS = {"\\cdot": "*", "\\times": "*", "\\div": "/", "*": "*", "/": "/", "+": "+", "-": "-", "^": "^"}
 
 
+def _big(c: Fraction) -> tuple:
+    """c as (sign, ((prime, exponent), ...)); ValueError past the factoring bound."""
+    num, den = _factor(abs(c.numerator), MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
+    if num is None or den is None or not c:
+        raise ValueError("factor")
+    return (-1 if c < 0 else 1), _merge(tuple(num.items()), _inverse(den.items()))
+
+
+def _apply_big(vals: list, op: str) -> None:
+    """Step 3 on (sign, factors): products, quotients and integer powers by exponent arithmetic; no sums."""
+    (t, b), (s, a) = vals.pop(), vals.pop() if op != "u" else (1, ())
+    if op in "+-" or op == "^" and (s < 0 or any(e < 0 for _, e in b)
+                                    or sum(e * p.bit_length() for p, e in b) > MAX_BITS + 64):
+        raise ValueError(op)
+    if op != "^":
+        return vals.append((s * t if op != "u" else -t, _merge(a, b if op in "*u" else _inverse(b))))
+    k = t
+    for p, e in b:
+        k *= p ** e  # the exponent, an exact integer of at most MAX_BITS bits
+    if max((abs(e * k).bit_length() for _, e in a), default=0) > 2 * MAX_BITS:
+        raise ValueError("power")
+    vals.append((s, tuple((p, e * k) for p, e in a if k)))
+
+
 def _apply(vals: list, op: str) -> None:
     b = vals.pop()
-    if op == "u":
-        return vals.append(-b)
-    a = vals.pop()
-    if op == "^":
-        if b.denominator != 1 or abs(b) > MAX_BITS or max(a.numerator.bit_length(), a.denominator.bit_length()) * abs(
-                b) > MAX_BITS or a == 0 and b <= 0:
-            raise ValueError("power")
-        return vals.append(a ** int(b))
-    vals.append(a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else a / b)
+    a = vals.pop() if op != "u" else 0
+    if op == "^" and (b.denominator != 1 or abs(b) > MAX_BITS or a == 0 and b <= 0
+                      or max(a.numerator.bit_length(), a.denominator.bit_length()) * abs(b) > MAX_BITS):
+        raise ValueError("power")
+    vals.append(a ** int(b) if op == "^" else a + b if op == "+" else a - b if op in "-u" else a * b if op == "*"
+                else a / b)
 
 
 def _arith_tokens(toks: list) -> list | None:
     """\\frac{a}{b} -> ((a)/(b)), {a} -> (a), implicit products made explicit; None on anything else."""
     out, kinds, expect = [], [], None
     for t in toks:
-        if expect == "den" and t != "{":
+        if expect == "den" and t != "{" or t == "\\frac" and expect:
             return None
         if t == "\\frac":
             expect = "num"
@@ -416,19 +370,15 @@ def _arith_tokens(toks: list) -> list | None:
             kind, expect = expect or "plain", None
             kinds.append(kind)
             new = ["/", "("] if kind == "den" else ["(", "("] if kind == "num" else ["("]
-        elif t == "}":
-            if not kinds:
-                return None
+        elif t == "}" and kinds:
             kind = kinds.pop()
             new, expect = [")", ")"] if kind == "den" else [")"], "den" if kind == "num" else None
         elif t in _OPS or t in ("(", ")") or t[0] in "0123456789." and "\\" not in t and len(t) <= MAX_NUMBER:
             new = [_OPS.get(t, t)]
         else:
             return None
-        if expect == "num":
+        if expect == "num" or new == ["^"] and _after_power(out):  # 2^3^4 and 2^{3}^4 are ambiguous
             return None
-        if new == ["^"] and _after_power(out):
-            return None  # 2^3^4 and 2^{3}^4 are ambiguous
         if out and (out[-1] == ")" or out[-1][0] in "0123456789.") and new[0] == "(":
             out.append("*")  # 2(3), (1)(2), 2\\frac{1}{2} is not here: normalised to 2(1/2) before
         elif out and (out[-1] == ")" or out[-1][0] in "0123456789.") and new[0][0] in "0123456789.":
@@ -448,9 +398,11 @@ def _after_power(out: list) -> bool:
     return k > 0 and out[k - 1] == "^"
 
 
-def rational_value(s: str) -> Fraction | None:
+def value(s: str, big: bool = False) -> Fraction | tuple | None:
     """The value of a purely numeric expression (numbers, + - * / ^, brackets, \\frac, \\cdot), iteratively: a
-    shunting-yard pass, so a fraction nested 400 deep costs no recursion; None if it is anything else."""
+    shunting-yard pass, so a fraction nested 400 deep costs no recursion; None if it is anything else. big: as
+    (sign, prime factors) by exponent arithmetic (step 3)."""
+    apply = _apply_big if big else _apply
     toks = _arith_tokens(_FORM_TOKEN.findall(s)) if s.count("^") <= MAX_DEG and not _NO_FORM.search(s) else None
     if not toks:
         return None
@@ -461,25 +413,25 @@ def rational_value(s: str) -> Fraction | None:
                 ops.append(t)
             elif t == ")":
                 while ops[-1] != "(":
-                    _apply(vals, ops.pop())
+                    apply(vals, ops.pop())
                 ops.pop()
             elif t[0] in "0123456789.":
-                vals.append(Fraction(t))
+                vals.append(_big(Fraction(t)) if big else Fraction(t))
             elif prev in ("(", "+", "-", "*", "/", "^", "u") and t in "+-":
                 if t == "-":
                     ops.append("u")  # a prefix operator pops nothing
                 t = "u" if t == "-" else prev  # a leading + is nothing
             else:
-                _push(vals, ops, t)
+                _push(vals, ops, t, apply)
             prev = t
         while ops:
-            _apply(vals, ops.pop())
+            apply(vals, ops.pop())
         return vals[0] if len(vals) == 1 else None
     except (IndexError, ValueError, ZeroDivisionError, KeyError):
         return None
 
 
-def _push(vals: list, ops: list, op: str) -> None:
+def _push(vals: list, ops: list, op: str, apply) -> None:
     while ops and ops[-1] != "(" and (_PREC[ops[-1]] > _PREC[op] or _PREC[ops[-1]] == _PREC[op] and op not in "^u"):
-        _apply(vals, ops.pop())
+        apply(vals, ops.pop())
     ops.append(op)

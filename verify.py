@@ -17,7 +17,7 @@ inputs bounded (MAX_*): milliseconds on 100 KB of adversarial text. reward(compl
      or starts a new one it does not finish (an unclosed \boxed{, "the answer is" at the end);
    - there are more than MAX_COMMITS commitments, or none. lenient=True adds the last number of a text without any
      commitment, for base models only, never rewards.
-2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and its kin, \left/\right/\Bigl, spacing,
+2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and kin, \left/\right/\Bigl, spacing,
    degrees, percent (50% is 50), currency, trailing unit words (5 cm, 8\sqrt{2} m), articles and plurals of a word
    answer, a leading "x =" / "g(3) =" / "CD =" / "(m, n) ="; number words (seven, 2.5 thousand); 3 1/4 and 3\frac14 are
    mixed numbers; 0.666\ldots is 0.\overline{6}; one spelling for \dfrac, \frac12, \sqrt2, x_1, \lbrace, {-}7, +\infty.
@@ -32,6 +32,7 @@ inputs bounded (MAX_*): milliseconds on 100 KB of adversarial text. reward(compl
 Tests: python -m pytest -q tests/test_verify.py
 """
 import re
+import unicodedata
 from fractions import Fraction
 
 import exact
@@ -52,12 +53,14 @@ _GOAL = re.compile(r"\b(?:if|whether|suppose|assum\w*|need|needs|must|want|prove
                    r"|unless|until|why|how|what|maybe|perhaps|possibly|probably|might|could|hypothe\w*)\b", re.I)
 _RETRACT = re.compile(r"\b(?:wait|hmm+|oops|actually|mistakes?|mistaken|wrong|incorrect|erroneous|miscalculat\w*"
                       r"|recount\w*|recalculat\w*|recomput\w*|redo|re-?examin\w*|reconsider\w*|impossible|invalid"
-                      r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the answer)"
+                      r"|contradict\w*|scratch that|start over|try again"
+                      r"|not (?:right|correct|possible|valid|the answer)"
                       r"|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not"
                       r"|(?:does not|doesn't|do not|don't) (?:work|hold|satisfy|fit|make sense))\b"
                       r"|(?<![\w-])no[,.!:]", re.I)
 _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
-                    r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if|for|from|by|using)\b|\s+(?:—|–|--)", re.I)
+                    r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
+                    r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
 _NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
 _TOKEN = re.compile(r"[^\s$]+")
 _DOLLAR = re.compile(r"(?<!\\)\$")
@@ -66,8 +69,8 @@ _NUMBER_AT_END = re.compile(r"-?\d[\d,]*(?:\.\d+)?$")
 
 def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
     """[(start, end, content)] of the boxes in text[lo:hi] and the start of the last unclosed one (-1 if none)."""
-    out, unclosed, starts = [], -1, [m.start() for m in _BOX.finditer(text, lo, hi)]
-    for n, i in enumerate(starts):
+    out, unclosed = [], -1
+    for i in [m.start() for m in _BOX.finditer(text, lo, hi)]:
         j = i + (6 if text.startswith("\\boxed", i) else 5)
         k = j + len(text[j:j + 64]) - len(text[j:j + 64].lstrip(" "))
         if not text.startswith("{", k):
@@ -80,10 +83,7 @@ def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
             p = q + 1
             if depth <= 0:
                 break
-        if depth == 0:
-            out.append((i, p, text[k + 1:p - 1].strip()))
-        elif depth > 0:
-            unclosed = i
+        out, unclosed = (out + [(i, p, text[k + 1:p - 1].strip())], unclosed) if depth == 0 else (out, i)
     return out, unclosed
 
 
@@ -102,7 +102,8 @@ def _clip(rest: str) -> tuple[str, int]:
         if sum(head.count(c) for c in "([{") <= sum(head.count(c) for c in ")]}"):
             end = m.start()
             break
-    return rest[:end].strip(" \t*").rstrip(".").strip(" \t*"), lead + end
+    answer = rest[:end].strip(" \t*").rstrip(".").strip(" \t*")
+    return (answer if lead + end < MAX_ANSWER else TOO_LONG), lead + end  # past MAX_ANSWER: never a prefix
 
 
 def _commitments(text: str) -> tuple[list, int] | None:
@@ -116,7 +117,6 @@ def _commitments(text: str) -> tuple[list, int] | None:
     boxed = [(i, j) for i, j, *_ in out]
     for m in _HASHES.finditer(text) if hashes else ():
         a, k = _clip(m[1])
-        a = a if k <= MAX_ANSWER else TOO_LONG
         if a and not _BOX.search(a) and not _ANSWER_IS.search(a):  # else the inner one counts
             out.append((m.start(), m.start(1) + k, a, False))
     for m in _ANSWER_IS.finditer(text) if said else ():
@@ -129,7 +129,6 @@ def _commitments(text: str) -> tuple[list, int] | None:
         if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j in boxed):
             continue
         a, k = _clip(line)
-        a = a if k < MAX_ANSWER else TOO_LONG
         if _BOX.search(a) or _ANSWER_IS.search(a):
             continue  # its box, or the "answer is" inside "Final answer: the answer is 5", counts
         if a:
@@ -159,14 +158,12 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
             return None, True
         ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
         return (answers[-1] if ok else None), True
-    found = _commitments(text)
-    if found is None:
+    if (found := _commitments(text)) is None:
         return None, True
-    commits, unfinished = found
-    if not commits:
-        return None, unfinished >= 0
+    if not (commits := found[0]):
+        return None, found[1] >= 0
     last = max(j for _, j, *_ in commits)
-    if unfinished > commits[-1][0] or _RETRACT.search(text, last, last + 1000):
+    if found[1] > commits[-1][0] or _RETRACT.search(text, last, last + 1000):
         return None, True
     boxes, others = [], [a for *_, a, box in commits if not box]
     for *_, a, box in commits:
@@ -191,14 +188,14 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
 
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox"
                    r"|operatorname|emph|boldsymbol|bm|hbox)\s*\{([^{}]*)\}")
-_DROP = re.compile(r"\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)(?![a-z])|(?<!\\)\\[!,;: ]"
-                   r"|\^\s*\{\s*\\circ\s*\}|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]"
-                   r"|(?<![\w}])\+(?=\s*\\infty)")
-_UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\\cdot", "\\pm", "\\infty", "\\pi", "\\sqrt", "\\div", "\\le",
-                                        "\\ge", "\\ne", "\\cup", "\\ldots", "/"))) | {
-    c: "\\frac{%d}{%d}" % f for c, f in zip("½⅓⅔¼¾⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞", [(1, 2), (1, 3), (2, 3), (1, 4), (3, 4), (1, 5), (2, 5), (3, 5),
-                                                           (4, 5), (1, 6), (5, 6), (1, 8), (3, 8), (5, 8), (7, 8)])}
-_SUPER = re.compile("[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+")
+_DROP = re.compile(r"\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)(?![a-z])"
+                   r"|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%"
+                   r"|\\\$|\$|\\[()\[\]]|(?<![\w}])\+(?=\s*\\infty)")
+_UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\\cdot", "\\pm", "\\infty", "\\pi", "\\sqrt", "\\div",
+                                        "\\le", "\\ge", "\\ne", "\\cup", "\\ldots", "/")))
+_UNICODE |= {c: "\\frac{%d}{%d}" % Fraction(unicodedata.numeric(c)).limit_denominator(10).as_integer_ratio()
+             for c in "½⅓⅔¼¾⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞"}  # vulgar fractions
+_SUPER, _SUPER_DIGITS = re.compile("[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+"), str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 _SPELL = [(t, re.compile(a), b) for t, a, b in (  # (a substring that must be there, pattern, replacement)
     ("{,}", r"\{,\}", ","), ("}", r"\{([+-])\}", r"\1"), ("\\", r"\\lbrace|\\\{", r"\\{"),
     ("\\", r"\\rbrace|\\\}", r"\\}"), ("\\lbrack", r"\\lbrack", "["), ("\\rbrack", r"\\rbrack", "]"),
@@ -225,8 +222,7 @@ _NUMWORD = re.compile(r"(?:(?:\d+(?:\.\d+)?|%s)(?:[\s-]+|$))+" % "|".join(["and"
 _LETTERS = re.compile(r"(?<!\\)\b[a-z]{2,}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
 _RELATION = re.compile(r"(<|>|\\le|\\ge)")
-_BASE = re.compile(r"([0-9a-z]+)_\{(\d+)\}")
-_CHOICE = re.compile(r"\(([a-e])\)(.+)")
+_BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)(.+)")  # 110_{2}, (c)7
 
 
 def _slash(m: re.Match) -> str:
@@ -247,9 +243,9 @@ def _number_words(m: re.Match) -> str:
             part = (part or 1) * _SCALES[w]
             if w != "hundred":
                 total, part = total + part, Fraction(0)
-    v = total + part
     if not seen or not re.search(r"[a-z]", m.group()) or m.group().strip() in ("a", "and"):
         return m.group()
+    v = total + part
     return (str(v.numerator) if v.denominator == 1 else str(float(v))) + (" " if m.group()[-1:].isspace() else "")
 
 
@@ -268,7 +264,7 @@ def _normalize(s: str) -> str:
     if s.startswith(("\\boxed", "\\fbox")) and (b := _boxes(s, 0, len(s))[0]) and b[0][1] == len(s):
         s = b[0][2]  # a whole-answer box
     s = "".join(_UNICODE.get(c, c) for c in s) if not s.isascii() else s
-    s = _SUPER.sub(lambda m: "^{" + m.group().translate(str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")) + "}", s)
+    s = _SUPER.sub(lambda m: "^{" + m.group().translate(_SUPER_DIGITS) + "}", s)  # x² -> x^{2}
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
         s = _TEXT.sub(r" \1", s)

@@ -205,8 +205,8 @@ _SPELL = [(t, re.compile(a), b) for t, a, b in (  # (a substring that must be th
     ("/", r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"))]
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
-_TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
-_UNITS = re.compile(r"(?<=[\d}])(?:\s+(?:[a-z]{2,}|[msgl])(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
+_TEXT_UNIT = re.compile(r"(?<=[\d}a-z!)])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
+_UNITS = re.compile(r"(?<=[\d}!)])(?:\s+(?:[a-z]{2,}|[msgl])(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
 _LHS = re.compile(r"(?:(?:m?\\angle)?[a-z]{1,3}(?:_\{?[a-z0-9]+\}?)?(?:\([^()=]*\))?|\\[a-z]+(?:\{[a-z]+\})?"
                   r"|\([a-z](?:,[a-z])+\))(?:=|\\in(?![a-z]))")  # x=, a_1=, g(3)=, cd=, \theta=, (m,n)=, x\in
 _ARG = r"((?:[^{}]|\{[^{}]*\})+)"  # a \frac argument: nested braces one level deep
@@ -218,7 +218,8 @@ _WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eig
                                      "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
 _WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
 _SCALES = {"hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
-_NUMWORD = re.compile(r"(?:(?:\d+(?:\.\d+)?|%s)(?:[\s-]+|$))+" % "|".join(["and", "a"] + list(_WORDS) + list(_SCALES)))
+_WORD = "(?:%s)" % "|".join(list(_WORDS) + list(_SCALES))
+_NUMWORD = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)\s+)?(%s(?:(?:\s+and\s+|[\s-]+)%s)*)\b" % (_WORD, _WORD))
 _LETTERS = re.compile(r"(?<!\\)\b[a-z]{2,}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
 _RELATION = re.compile(r"(<|>|\\le|\\ge)")
@@ -235,18 +236,18 @@ def _slash(m: re.Match) -> str:
 
 def _number_words(m: re.Match) -> str:
     """seven -> 7, twenty-one -> 21, one hundred and five -> 105, 2.5 thousand -> 2500; else unchanged."""
-    total, part, seen = Fraction(0), Fraction(0), False
-    for w in re.split(r"[\s-]+", m.group().strip()):
-        if w in _WORDS or w[:1].isdigit():
-            part, seen = part + (_WORDS[w] if w in _WORDS else Fraction(w)), True
+    words = re.split(r"[\s-]+", m[2])
+    if m[1] and words[0] not in _SCALES:  # 3 seven is no number
+        return m.group()
+    total, part = Fraction(0), Fraction(m[1] or 0)
+    for w in words:
+        if w in _WORDS:
+            part += _WORDS[w]
         elif w in _SCALES:
             part = (part or 1) * _SCALES[w]
-            if w != "hundred":
-                total, part = total + part, Fraction(0)
-    if not seen or not re.search(r"[a-z]", m.group()) or m.group().strip() in ("a", "and"):
-        return m.group()
+            total, part = (total + part, Fraction(0)) if w != "hundred" else (total, part)
     v = total + part
-    return (str(v.numerator) if v.denominator == 1 else str(float(v))) + (" " if m.group()[-1:].isspace() else "")
+    return str(v.numerator) if v.denominator == 1 else str(float(v))
 
 
 def _dots(m: re.Match) -> str:

@@ -182,7 +182,8 @@ class Form:
         if k.denominator > 1 and (any(q == -1 for q, _ in rad) or k.denominator % 2 == 0
                                   and any(f.denominator == 1 and f % 2 == 0 for _, f in names)):
             raise ValueError("root")  # \sqrt{x^2} is |x|
-        if max(abs(c.numerator), c.denominator).bit_length() * k.numerator > MAX_BITS:
+        if max(abs(c.numerator), c.denominator).bit_length() * k.numerator > MAX_BITS or c < 0 < k.numerator - 1 and (
+                k.denominator > 1):  # (-4)^{3/2}: the principal value is not sqrt((-4)^3)
             raise ValueError("power")
         out = {_ONE: c ** k.numerator} if k.denominator == 1 else self.root(c ** k.numerator, k.denominator)[0]
         if rad:

@@ -206,7 +206,7 @@ _SPELL = [(t, re.compile(a), b) for t, a, b in (  # (a substring that must be th
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
 _TEXT_UNIT = re.compile(r"(?<=[\d}a-z!)])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
-_UNITS = re.compile(r"(?<=[\d}!)])(?:\s+(?:[a-z]{2,}|[msgl])(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
+_UNITS = re.compile(r"(?<=[\d}!])(?:\s+(?:[a-z]{2,}|[msgl])(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
 _LHS = re.compile(r"(?:(?:m?\\angle)?[a-z]{1,3}(?:_\{?[a-z0-9]+\}?)?(?:\([^()=]*\))?|\\[a-z]+(?:\{[a-z]+\})?"
                   r"|\([a-z](?:,[a-z])+\))(?:=|\\in(?![a-z]))")  # x=, a_1=, g(3)=, cd=, \theta=, (m,n)=, x\in
 _ARG = r"((?:[^{}]|\{[^{}]*\})+)"  # a \frac argument: nested braces one level deep
@@ -223,7 +223,7 @@ _NUMWORD = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)\s+)?(%s(?:(?:\s+and\s+|[\s-
 _LETTERS = re.compile(r"(?<!\\)\b[a-z]{2,}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
 _RELATION = re.compile(r"(<|>|\\le|\\ge)")
-_BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)(.+)")  # 110_{2}, (c)7
+_BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)((?:\(?-?\d|\\frac|\\sqrt).*)")
 
 
 def _slash(m: re.Match) -> str:
@@ -358,10 +358,10 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
     a, b = _unwrap(a), _unwrap(b)
     if a == b:
         return True
-    for u, v in ((a, b), (b, a)):  # (c)7 is (c) and 7; 110 is 110_2 when one side omits the base
+    for u, v in ((a, b), (b, a)):  # (c)7 is (c) and 7; 110_2 is 110 (one side omits the base), not 6
         if (m := _CHOICE.fullmatch(u)) and (v in (m[1], f"({m[1]})") or _equal(m[2], v, depth + 1)):
             return True
-        if (m := _BASE.fullmatch(u)) and re.fullmatch(r"[0-9a-z]+", v):
+        if (m := _BASE.fullmatch(u)) and 2 <= int(m[2]) <= 36 and all(int(c, 36) < int(m[2]) for c in m[1]):
             return m[1].lstrip("0") == v.lstrip("0")
     x, y = _number(a), _number(b)
     if x is not None and y is not None:

@@ -1,22 +1,21 @@
 r"""Answer checking for reasoning RL: the final answer, its normalisation, exact equivalence, rewards.
 
-Pure Python on strings: no torch, no eval/exec, no CAS (the exact normal form is exact.py). Scans are linear and
-inputs bounded (MAX_*): milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff steps 1-3 agree.
+Pure Python on strings, no eval/exec, no CAS (the exact normal form is exact.py); linear scans, bounded inputs (MAX_*):
+milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff steps 1-3 agree.
 
 1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
    Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
    (final) answer is" / "Answer:" (on its line, or the next one when it is empty). With closed <answer>...</answer>
    blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count.
    Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
-   is ...", "maybe", "not"), or that holds another commitment (its inner one counts). The answer ends where the
-   sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56 since 7 x 8 = 56` are 30, 8,
-   56; `$...$` is read to its closing dollar. Then there is no final answer (None, reward 0) when
+   is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
+   An answer ends where its sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56
+   since 7 x 8 = 56` are 30, 8, 56; `$...$` is read to its closing dollar. There is no final answer (reward 0) when
    - two commitments differ (not is_equiv): boxes, ####, "answer is" alike; several different boxes are instead one
      set answer, "a, b, ...", which only a gold list of those values matches (compared as a multiset);
    - after the last commitment the text retracts (wait, hmm, actually, no, wrong, mistake, impossible, recount, ...)
      or starts a new one it does not finish (an unclosed \boxed{, "the answer is" at the end);
-   - there are more than MAX_COMMITS commitments, or none. lenient=True adds the last number of a text without any
-     commitment, for base models only, never rewards.
+   - there are more than MAX_COMMITS commitments, or none (lenient=True: the last number, never for rewards).
 2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and kin, \left/\right/\Bigl, spacing,
    degrees, percent (50% is 50), currency, trailing unit words (5 cm, 8\sqrt{2} m), articles and plurals of a word
    answer, a leading "x =" / "g(3) =" / "CD =" / "(m, n) ="; number words (seven, 2.5 thousand); 3 1/4 and 3\frac14 are
@@ -61,9 +60,9 @@ _RETRACT = re.compile(r"\b(?:wait|hmm+|oops|actually|mistakes?|mistaken|wrong|in
 _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
                     r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
                     r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
+_DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
 _NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
-_TOKEN = re.compile(r"[^\s$]+")
-_DOLLAR = re.compile(r"(?<!\\)\$")
+_TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
 _NUMBER_AT_END = re.compile(r"-?\d[\d,]*(?:\.\d+)?$")
 
 
@@ -129,8 +128,8 @@ def _commitments(text: str) -> tuple[list, int] | None:
         if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j in boxed):
             continue
         a, k = _clip(line)
-        if _BOX.search(a) or _ANSWER_IS.search(a):
-            continue  # its box, or the "answer is" inside "Final answer: the answer is 5", counts
+        if _BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a):
+            continue  # its box, or the "answer is" in "Final answer: the answer is 5", counts; "the number of ..."
         if a:
             out.append((m.start(), base + k, a, False))
         elif not text[m.end():].strip(" \t:*$\n"):

@@ -392,6 +392,7 @@ FINAL = [  # (completion, gold, reward): the answer is what the completion commi
     ("**Answer:** 17 apples", "17", 1.0),
     ("The answer is 5! ways.", "120", 1.0),  # a factorial, not an exclamation
     ("So the answer is (1, 2), as claimed.", "(1,2)", 1.0),
+    ("The answer is the number of pairs, which is 10.\nSo the answer is \\boxed{10}.", "10", 1.0),  # a description
 ]
 
 
@@ -463,7 +464,8 @@ FORMS_FALSE = [  # their near misses
     ("0.666\\ldots", "0.666"), ("0.666\\ldots", "\\frac{333}{500}"), ("3.14\\ldots", "\\pi"), ("0.12\\ldots", "\\frac{4}{33}"),
     ("\\textbf{(C) } 7", "(D)"), ("\\textbf{(C) } 7", "8"),
     ("cats", "dog"), ("yes", "ye"), ("the dog", "a cat"), ("111", "110_2"), ("110_3", "110_2"), ("6", "110_2"),
-    ("½", "2"), ("x²", "2x"), ("1, 2, and 3", "1, 2"),
+    ("½", "2"), ("x²", "2x"), ("1, 2, and 3", "1, 2"), ("2 and -3", "5"), ("3 seven", "37"),
+    ("(a)+b", "a"), ("(b)^2", "b"), ("x_{1}", "x"), ("(-4)^{3/2}", "8i"), ("10_{2}", "2"),  # look-alikes of the rules
 ]
 
 

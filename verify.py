@@ -63,7 +63,7 @@ _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(
 _DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
 _NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
 _TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
-_NUMBER_AT_END = re.compile(r"-?\d[\d,]*(?:\.\d+)?$")
+_NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
 
 
 def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
@@ -385,7 +385,7 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
 
 def _long_equal(a: str, b: str) -> bool:
     """Answers past MAX_ANSWER: identical up to spacing, or the same plain decimal (linear time)."""
-    a, b = re.sub(r"[\s$]|\\[,!]|\{,\}", "", a), re.sub(r"[\s$]|\\[,!]|\{,\}", "", b)
+    a, b = (t.translate(_SPACING).replace("\\,", "").replace("\\!", "").replace("{,}", "") for t in (a, b))
     if a == b:
         return True
     ka, kb = decimal_key(a.replace(",", "")), decimal_key(b.replace(",", ""))

@@ -6,7 +6,8 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
 1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
    Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
    (final) answer is" / "Answer:" (on its line, or the next one when it is empty). With closed <answer>...</answer>
-   blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count.
+   blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count;
+   text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
    Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
    is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
    An answer ends where its sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56
@@ -61,6 +62,8 @@ _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(
                     r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
                     r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
 _DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
+_JOINED = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$")
+_HEADING = re.compile(r"[a-z]{2,}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
 _NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
 _TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
 _NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
@@ -93,7 +96,7 @@ def _clip(rest: str) -> tuple[str, int]:
         if rest.startswith(a):
             m = _DOLLAR.search(rest, len(a)) if b is None else None
             k = m.start() if m else rest.find(b, len(a)) if b else -1
-            if k > len(a):
+            if k > len(a) and not _JOINED.match(rest, k + len(b or "$")):  # "$5$ and $6$" is one list answer
                 return rest[len(a):k].strip(), lead + k + len(b or "$")
     end = len(rest)
     for m in _RUNON.finditer(rest):  # the first cut outside brackets
@@ -116,7 +119,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
     boxed = [(i, j) for i, j, *_ in out]
     for m in _HASHES.finditer(text) if hashes else ():
         a, k = _clip(m[1])
-        if a and not _BOX.search(a) and not _ANSWER_IS.search(a):  # else the inner one counts
+        if a and not _BOX.search(a) and not _ANSWER_IS.search(a) and not _HEADING.match(a):  # else the inner counts
             out.append((m.start(), m.start(1) + k, a, False))
     for m in _ANSWER_IS.finditer(text) if said else ():
         clause = re.split(r"[,;:.!?]\s|\n", text[max(0, m.start() - 200):m.start()])[-1]
@@ -139,6 +142,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
 
 def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
     """(the final answer or None, whether the text commits to anything): step 1."""
+    text = text[text.rfind("</think>") + 8:] if depth == 0 and "</think>" in text else text  # thinking commits to nothing
     close = text.find("</answer>")
     start = text.find("<answer>", 0, close) if close >= 0 else -1
     if start >= 0 and depth == 0:  # r1 format: the blocks, then whatever follows the last one
@@ -146,15 +150,10 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
             return None, True
         answers, pos = [], start
         while (close := text.find("</answer>", pos)) >= 0 and (open_ := text.rfind("<answer>", pos, close)) >= 0:
-            inner = text[open_ + 8:close]
-            a, committed = _final(inner, 1)
-            answers.append(a if committed else inner.strip() or None)
-            pos = close + 9
+            a, committed = _final(inner := text[open_ + 8:close], 1)
+            answers, pos = answers + [a if committed else inner.strip() or None], close + 9
         tail, tail_committed = _final(text[pos:], 1)
-        if tail_committed:
-            answers.append(tail)
-        elif _RETRACT.search(text, pos, pos + 1000):
-            return None, True
+        answers += [tail] if tail_committed else [None] if _RETRACT.search(text, pos, pos + 1000) else []
         ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
         return (answers[-1] if ok else None), True
     if (found := _commitments(text)) is None:

@@ -393,6 +393,11 @@ FINAL = [  # (completion, gold, reward): the answer is what the completion commi
     ("The answer is 5! ways.", "120", 1.0),  # a factorial, not an exclamation
     ("So the answer is (1, 2), as claimed.", "(1,2)", 1.0),
     ("The answer is the number of pairs, which is 10.\nSo the answer is \\boxed{10}.", "10", 1.0),  # a description
+    ("<think>is the answer 4? no wait, 4 + 1</think>The answer is \\boxed{5}.", "5", 1.0),  # thinking is no commitment
+    ("<think>so the answer is 4</think>", "4", 0.0),
+    ("#### Step 1: add\n3 + 4 = 7\n#### Step 2: double\n#### 14", "14", 1.0),  # markdown headings are not answers
+    ("The answer is $5$ and $6$.", "5, 6", 1.0), ("The answer is $5$ and $6$.", "5", 0.0),
+    ("The answer is $5$ or $6$.", "5", 0.0),
 ]
 
 

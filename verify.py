@@ -51,13 +51,12 @@ _ANSWER_IS = re.compile(r"answer(?: is\b|[ \t*]*:|\s*=)", re.I)  # "the (final) 
 _HASHES = re.compile(r"####[ \t#]*([^\n]{0,%d})" % (MAX_ANSWER + 1))  # longer: no answer, never a prefix of one
 _GOAL = re.compile(r"\b(?:if|whether|suppose|assum\w*|need|needs|must|want|prove|show|check|verify|claim|guess|expect"
                    r"|unless|until|why|how|what|maybe|perhaps|possibly|probably|might|could|hypothe\w*)\b", re.I)
-_RETRACT = re.compile(r"\b(?:wait|hmm+|oops|actually|mistakes?|mistaken|wrong|incorrect|erroneous|miscalculat\w*"
+_RETRACT = re.compile(r"\b(?:(?P<weak>wait|hmm+|actually)|oops|mistakes?|mistaken|wrong|incorrect|erroneous|miscalc\w*"
                       r"|recount\w*|recalculat\w*|recomput\w*|redo|re-?examin\w*|reconsider\w*|impossible|invalid"
-                      r"|contradict\w*|scratch that|start over|try again"
-                      r"|not (?:right|correct|possible|valid|the answer)"
-                      r"|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not"
-                      r"|(?:does not|doesn't|do not|don't) (?:work|hold|satisfy|fit|make sense))\b"
-                      r"|(?<![\w-])no[,.!:]", re.I)
+                      r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the answer)"
+                      r"|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not|(?:does not|doesn't"
+                      r"|do not|don't) (?:work|hold|satisfy|fit|make sense))\b|(?<![\w-])no[,.!:]", re.I)
+_CONFIRM = re.compile(r"\b(?:correct|confirm\w*|verified|checks out|yes)\b|✓", re.I)  # "Wait, let me check ... yes"
 _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
                     r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
                     r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
@@ -114,9 +113,8 @@ def _commitments(text: str) -> tuple[list, int] | None:
     hashes, said = text.count("####"), _ANSWER_IS.findall(text, 0, 100 * MAX_ANSWER)
     if text.count("\\boxed") + text.count("\\fbox") + hashes + len(said) > MAX_COMMITS:
         return None
-    out, unfinished = _boxes(text, 0, len(text))
-    out = [(i, j, a, True) for i, j, a in out]
-    boxed = [(i, j) for i, j, *_ in out]
+    boxes, unfinished = _boxes(text, 0, len(text))
+    out = [(i, j, a, True) for i, j, a in boxes]
     for m in _HASHES.finditer(text) if hashes else ():
         a, k = _clip(m[1])
         if a and not _BOX.search(a) and not _ANSWER_IS.search(a) and not _HEADING.match(a):  # else the inner counts
@@ -128,7 +126,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
         if not line.strip(" \t:*$") and nl >= 0:  # "The answer is:" then the answer on the next line
             nxt = _NEXT_LINE.match(text, nl)
             base, line = (nxt.start(1), nxt[1]) if nxt else (base, "")
-        if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j in boxed):
+        if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j, _ in boxes):
             continue
         a, k = _clip(line)
         if _BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a):
@@ -138,6 +136,12 @@ def _commitments(text: str) -> tuple[list, int] | None:
         elif not text[m.end():].strip(" \t:*$\n"):
             unfinished = max(unfinished, m.start())  # cut off after "the answer is"
     return sorted(out), unfinished
+
+
+def _retracts(text: str, i: int) -> bool:
+    """Whether the text after i takes its answer back: a retraction, or a doubt (wait, hmm) it does not settle."""
+    found = [m["weak"] for m in _RETRACT.finditer(text, i, i + 1000)]
+    return any(w is None for w in found) or bool(found) and not _CONFIRM.search(text, i, i + 1000)
 
 
 def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
@@ -153,7 +157,7 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
             a, committed = _final(inner := text[open_ + 8:close], 1)
             answers, pos = answers + [a if committed else inner.strip() or None], close + 9
         tail, tail_committed = _final(text[pos:], 1)
-        answers += [tail] if tail_committed else [None] if _RETRACT.search(text, pos, pos + 1000) else []
+        answers += [tail] if tail_committed else [None] if _retracts(text, pos) else []
         ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
         return (answers[-1] if ok else None), True
     if (found := _commitments(text)) is None:
@@ -161,7 +165,7 @@ def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
     if not (commits := found[0]):
         return None, found[1] >= 0
     last = max(j for _, j, *_ in commits)
-    if found[1] > commits[-1][0] or _RETRACT.search(text, last, last + 1000):
+    if found[1] > commits[-1][0] or _retracts(text, last):
         return None, True
     boxes, others = [], [a for *_, a, box in commits if not box]
     for *_, a, box in commits:
@@ -251,11 +255,8 @@ def _number_words(m: re.Match) -> str:
 def _dots(m: re.Match) -> str:
     """0.1666\\ldots -> 0.1\\overline{6}: the shortest repeating tail shown at least twice, else unchanged."""
     d = m[2]
-    for s in range(len(d)):
-        for p in range(1, (len(d) - s) // 2 + 1):
-            if all(d[i] == d[i - p] for i in range(s + p, len(d))):
-                return f"{m[1]}.{d[:s]}\\overline{{{d[s:s + p]}}}"
-    return m.group()
+    sp = next(((s, p) for s in range(len(d)) for p in range(1, (len(d) - s) // 2 + 1) if d[s + p:] == d[s:-p]), None)
+    return f"{m[1]}.{d[:sp[0]]}\\overline{{{d[sp[0]:sum(sp)]}}}" if sp else m.group()
 
 
 def _normalize(s: str) -> str:

@@ -398,6 +398,8 @@ FINAL = [  # (completion, gold, reward): the answer is what the completion commi
     ("#### Step 1: add\n3 + 4 = 7\n#### Step 2: double\n#### 14", "14", 1.0),  # markdown headings are not answers
     ("The answer is $5$ and $6$.", "5, 6", 1.0), ("The answer is $5$ and $6$.", "5", 0.0),
     ("The answer is $5$ or $6$.", "5", 0.0),
+    ("\\boxed{5}\n\nWait, let me double check: 2 + 3 = 5. Correct.", "5", 1.0),  # a doubt it settles
+    ("\\boxed{5}. Wait, she ate one of them.", "5", 0.0),  # one it does not
 ]
 
 

@@ -97,10 +97,10 @@ def _clip(rest: str) -> tuple[str, int]:
             k = m.start() if m else rest.find(b, len(a)) if b else -1
             if k > len(a) and not _JOINED.match(rest, k + len(b or "$")):  # "$5$ and $6$" is one list answer
                 return rest[len(a):k].strip(), lead + k + len(b or "$")
-    end = len(rest)
+    end, depth, pos = len(rest), 0, 0
     for m in _RUNON.finditer(rest):  # the first cut outside brackets
-        head = rest[:m.start()]
-        if sum(head.count(c) for c in "([{") <= sum(head.count(c) for c in ")]}"):
+        seg, pos = rest[pos:m.start()], m.start()
+        if (depth := depth + sum(seg.count(c) for c in "([{") - sum(seg.count(c) for c in ")]}")) <= 0:
             end = m.start()
             break
     answer = rest[:end].strip(" \t*").rstrip(".").strip(" \t*")
@@ -110,7 +110,7 @@ def _clip(rest: str) -> tuple[str, int]:
 def _commitments(text: str) -> tuple[list, int] | None:
     """[(start, end, answer, is_box)] in text order and the start of an unfinished commitment after them (-1 if
     none), or None when there are more than MAX_COMMITS."""
-    hashes, said = text.count("####"), _ANSWER_IS.findall(text, 0, 100 * MAX_ANSWER)
+    hashes, said = text.count("####"), _ANSWER_IS.findall(text)
     if text.count("\\boxed") + text.count("\\fbox") + hashes + len(said) > MAX_COMMITS:
         return None
     boxes, unfinished = _boxes(text, 0, len(text))

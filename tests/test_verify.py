@@ -314,6 +314,31 @@ def test_bounds_reject_before_computing(monkeypatch):
     assert is_equiv("\\sqrt{98}", "7\\sqrt{2}") and not is_equiv("\\sqrt{102}", "\\sqrt{102}+0")
 
 
+def _random_arith(rng: random.Random, depth: int) -> tuple[str, Fraction]:
+    """A random numeric LaTeX expression and its value, computed here by hand (the independent expectation)."""
+    if depth == 0 or rng.random() < 0.3:
+        n = rng.randint(-9, 9)
+        return (f"({n})" if n < 0 else str(n)), Fraction(n)
+    (a, x), (b, y) = _random_arith(rng, depth - 1), _random_arith(rng, depth - 1)
+    op = rng.choice(["+", "-", "\\cdot", "\\frac", "^"] if y else ["+", "-", "\\cdot"])
+    if op == "\\frac":
+        return f"\\frac{{{a}}}{{{b}}}", x / y
+    if op == "^":
+        k = rng.randint(0, 3) if x else rng.randint(1, 3)
+        return f"({a})^{{{k}}}", x ** k
+    return f"({a}){op}({b})", x + y if op == "+" else x - y if op == "-" else x * y
+
+
+def test_numeric_value_pass_matches_hand_computed_values():
+    """exact.value (iterative) and exact.Form (recursive) agree with values computed by construction."""
+    rng = random.Random(5)
+    for _ in range(300):
+        s, v = _random_arith(rng, rng.randint(1, 5))
+        assert exact.value(s) == v, s
+        assert (p := exact.Form(s)).rational(p.expr(whole=True)) == v, s
+        assert is_equiv(s, str(v)) and not is_equiv(s, str(v + Fraction(1, 7))), s
+
+
 # ---------------------------------------------------------------------------------------------------- rewards
 REWARD = [
     ("<think>2+3</think><answer>5</answer>", "5", 1.0),

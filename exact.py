@@ -34,6 +34,7 @@ MAX_FACT = 500  # largest n of n! and \binom{n}{k}
 MAX_RADICAND = 10 ** 6  # numerator and denominator of a radicand, after its perfect powers (primes < 1000)
 MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
 MAX_DEPTH = 400  # nesting of brackets in the normal form (fractions hundreds deep)
+MAX_TOKENS = 1000  # tokens of one answer in the normal form; numbers alone go through value, iteratively
 
 _DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
 _MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
@@ -129,6 +130,8 @@ class Form:
         if _NO_FORM.search(s):
             raise ValueError(s)
         self.toks, self.pos, self.work, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0, 0
+        if len(self.toks) > MAX_TOKENS:
+            raise ValueError("too long")
 
     def check(self, p: dict) -> dict:
         p = {m: c for m, c in p.items() if c}

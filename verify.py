@@ -34,6 +34,7 @@ Tests: python -m pytest -q tests/test_verify.py
 import re
 import unicodedata
 from fractions import Fraction
+from itertools import accumulate, repeat
 
 import exact
 from exact import MAX_NUMBER, decimal_key, number as _number
@@ -65,6 +66,7 @@ _JOINED = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$")
 _HEADING = re.compile(r"[a-z]{2,}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
 _NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
 _TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
+_DEPTH = dict.fromkeys("([{", 1) | dict.fromkeys(")]}", -1)
 _NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
 
 
@@ -289,13 +291,9 @@ def _normalize(s: str) -> str:
 
 
 def _wraps(s: str) -> bool:
-    """True when the bracket opening at s[0] closes at s[-1] (any of ([{ with any of )]})."""
-    depth = 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth <= 0:
-            return depth == 0 and i == len(s) - 1
-    return False
+    """True when the bracket opening at s[0] closes at s[-1] (any of ([{ with any of )]}); C-speed running depths."""
+    depths = list(accumulate(map(_DEPTH.get, s, repeat(0)))) if s[:1] in ("(", "[", "{") else [0]
+    return len(depths) > 1 and depths[-1] == 0 and min(depths[:-1]) > 0
 
 
 def _split(s: str, sep: str = ",") -> list[str]:
@@ -303,11 +301,11 @@ def _split(s: str, sep: str = ",") -> list[str]:
     if sep not in s:
         return [s]
     items, depth, start = [], 0, 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth == 0 and s.startswith(sep, i):
-            items.append(s[start:i])
-            start = i + len(sep)
+    for m in re.finditer(r"[(\[{]|[)\]}]|" + re.escape(sep), s):  # only brackets and separators
+        depth += _DEPTH.get(m.group(), 0)
+        if depth == 0 and m.group() == sep:
+            items.append(s[start:m.start()])
+            start = m.end()
     return items + [s[start:]]
 
 

@@ -54,9 +54,9 @@ _GOAL = re.compile(r"\b(?:if|whether|suppose|assum\w*|need|needs|must|want|prove
                    r"|unless|until|why|how|what|maybe|perhaps|possibly|probably|might|could|hypothe\w*)\b", re.I)
 _RETRACT = re.compile(r"\b(?:(?P<weak>wait|hmm+|actually)|oops|mistakes?|mistaken|wrong|incorrect|erroneous|miscalc\w*"
                       r"|recount\w*|recalculat\w*|recomput\w*|redo|re-?examin\w*|reconsider\w*|impossible|invalid"
-                      r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the answer)"
-                      r"|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not|(?:does not|doesn't"
-                      r"|do not|don't) (?:work|hold|satisfy|fit|make sense))\b|(?<![\w-])no[,.!:]", re.I)
+                      r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the "
+                      r"answer)|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not|(?:does "
+                      r"not|doesn't|do not|don't) (?:work|hold|satisfy|fit|make sense))\b|(?<![\w-])no[,.!:]", re.I)
 _CONFIRM = re.compile(r"\b(?:correct|confirm\w*|verified|checks out|yes)\b|✓", re.I)  # "Wait, let me check ... yes"
 _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
                     r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
@@ -148,7 +148,7 @@ def _retracts(text: str, i: int) -> bool:
 
 def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
     """(the final answer or None, whether the text commits to anything): step 1."""
-    text = text[text.rfind("</think>") + 8:] if depth == 0 and "</think>" in text else text  # thinking commits to nothing
+    text = text[text.rfind("</think>") + 8:] if depth == 0 and "</think>" in text else text  # thinking: no commitment
     close = text.find("</answer>")
     start = text.find("<answer>", 0, close) if close >= 0 else -1
     if start >= 0 and depth == 0:  # r1 format: the blocks, then whatever follows the last one
@@ -192,9 +192,10 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
 
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox"
                    r"|operatorname|emph|boldsymbol|bm|hbox)\s*\{([^{}]*)\}")
-_DROP = re.compile(r"\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)(?![a-z])"
+_DROP = re.compile(r"(?=[\\^°%$+dtc])(?:\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)"
+                   r"(?![a-z])"
                    r"|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%"
-                   r"|\\\$|\$|\\[()\[\]]|(?<![\w}])\+(?=\s*\\infty)")
+                   r"|\\\$|\$|\\[()\[\]]|(?<![\w}])\+(?=\s*\\infty))")  # the lookahead: fail fast
 _UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\\cdot", "\\pm", "\\infty", "\\pi", "\\sqrt", "\\div",
                                         "\\le", "\\ge", "\\ne", "\\cup", "\\ldots", "/")))
 _UNICODE |= {c: "\\frac{%d}{%d}" % Fraction(unicodedata.numeric(c)).limit_denominator(10).as_integer_ratio()
@@ -224,7 +225,7 @@ _WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seve
 _SCALES = {"hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
 _WORD = "(?:%s)" % "|".join(list(_WORDS) + list(_SCALES))
 _NUMWORD = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)\s+)?(%s(?:(?:\s+and\s+|[\s-]+)%s)*)\b" % (_WORD, _WORD))
-_LETTERS = re.compile(r"(?<!\\)\b[a-z]{2,}")
+_LETTERS = re.compile(r"(?:^|[^\\a-z])[a-z]{2}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
 _RELATION = re.compile(r"(<|>|\\le|\\ge)")
 _BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)((?:\(?-?\d|\\frac|\\sqrt).*)")

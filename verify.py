@@ -27,7 +27,7 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
    (C) 7 matches (C) and 7; 110 matches 110_2 (the digits, when one side omits the base); else exact.same decides.
    Answers longer than MAX_ANSWER are equal only when identical or the same plain decimal, compared in linear time.
 4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
-5. step_rewards: each "expr=value" step checked by eval_arith, exact.Form on integers and + - * / ( ).
+5. step_rewards: each "expr=value" step checked by eval_arith, exact.value on integers and + - * / ( ).
 
 Tests: python -m pytest -q tests/test_verify.py
 """
@@ -427,10 +427,7 @@ def eval_arith(expr: str) -> Fraction | None:
     expr = expr.replace("×", "*").replace("÷", "/")
     if len(expr) > MAX_EXPR or not _ARITH.fullmatch(expr) or _GLUED.search(expr):
         return None
-    try:
-        return (p := exact.Form(expr)).rational(p.expr(whole=True))  # exact.Form on integers and + - * / ( )
-    except (ValueError, ZeroDivisionError):
-        return None
+    return exact.value(expr)  # exact.value on integers and + - * / ( ): one iterative pass
 
 
 def step_rewards(solution: str) -> list[tuple[int, bool]]:

@@ -64,7 +64,6 @@ _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(
 _DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
 _JOINED = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$")
 _HEADING = re.compile(r"[a-z]{2,}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
-_NEXT_LINE = re.compile(r"\n\s*([^\n]+)")
 _TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
 _DEPTH = dict.fromkeys("([{", 1) | dict.fromkeys(")]}", -1)
 _NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
@@ -123,12 +122,11 @@ def _commitments(text: str) -> tuple[list, int] | None:
             out.append((m.start(), m.start(1) + k, a, False))
     for m in _ANSWER_IS.finditer(text) if said else ():
         clause = re.split(r"[,;:.!?]\s|\n", text[max(0, m.start() - 200):m.start()])[-1]
-        nl = text.find("\n", m.end(), m.end() + MAX_ANSWER)
-        base, line = m.end(), text[m.end():nl if nl >= 0 else m.end() + MAX_ANSWER]
-        if not line.strip(" \t:*$") and nl >= 0:  # "The answer is:" then the answer on the next line
-            nxt = _NEXT_LINE.match(text, nl)
-            base, line = (nxt.start(1), nxt[1]) if nxt else (base, "")
-        if _GOAL.search(clause) or re.match(r"\s*(?:not|n't)\b", line) or any(i <= m.end() < j for i, j, _ in boxes):
+        body = (rest := text[m.end():m.end() + MAX_ANSWER]).lstrip(" \t:*")
+        body = body.lstrip() if body[:1] in ("\n", "\r") else body  # "The answer is:" then the answer on the next line
+        line = body.split("\n", 1)[0]
+        line, base = (body if line.strip() in ("\\[", "$$", "\\(", "$") else line), m.end() + len(rest) - len(body)
+        if _GOAL.search(clause) or re.match(r"(?:not|n't)\b", line) or any(i <= m.end() < j for i, j, _ in boxes):
             continue
         a, k = _clip(line)
         if _BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a):

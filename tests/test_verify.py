@@ -425,6 +425,7 @@ FINAL = [  # (completion, gold, reward): the answer is what the completion commi
     ("The answer is $5$ or $6$.", "5", 0.0),
     ("\\boxed{5}\n\nWait, let me double check: 2 + 3 = 5. Correct.", "5", 1.0),  # a doubt it settles
     ("\\boxed{5}. Wait, she ate one of them.", "5", 0.0),  # one it does not
+    ("The answer is:\n\\[\n\\boxed{5}\n\\]", "5", 1.0), ("The final answer is:\n$$\n12\n$$", "12", 1.0),  # display math
 ]
 
 

@@ -5,8 +5,8 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
 
 1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
    Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
-   (final) answer is" / "Answer:" (on its line, or the next one when it is empty). With closed <answer>...</answer>
-   blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count;
+   (final) answer is" / "Answer:" (its line; the next lines when it is empty or opens $$ / \[). With <answer> ...
+   </answer> blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count;
    text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
    Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
    is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
@@ -14,8 +14,9 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
    since 7 x 8 = 56` are 30, 8, 56; `$...$` is read to its closing dollar. There is no final answer (reward 0) when
    - two commitments differ (not is_equiv): boxes, ####, "answer is" alike; several different boxes are instead one
      set answer, "a, b, ...", which only a gold list of those values matches (compared as a multiset);
-   - after the last commitment the text retracts (wait, hmm, actually, no, wrong, mistake, impossible, recount, ...)
-     or starts a new one it does not finish (an unclosed \boxed{, "the answer is" at the end);
+   - after the last commitment the text retracts (no, wrong, mistake, impossible, recount, ...), doubts without
+     settling it (wait, hmm, actually, and no "correct" / "yes" after), or starts a commitment it does not finish (an
+     unclosed \boxed{, "the answer is" at the end);
    - there are more than MAX_COMMITS commitments, or none (lenient=True: the last number, never for rewards).
 2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and kin, \left/\right/\Bigl, spacing,
    degrees, percent (50% is 50), currency, trailing unit words (5 cm, 8\sqrt{2} m), articles and plurals of a word
@@ -29,7 +30,7 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
 4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
 5. step_rewards: each "expr=value" step checked by eval_arith, exact.value on integers and + - * / ( ).
 
-Tests: python -m pytest -q tests/test_verify.py
+Tests: python -m pytest -q tests/test_verify.py tests/test_verify_heldout.py
 """
 import re
 import unicodedata

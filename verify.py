@@ -6,8 +6,8 @@ milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff s
 1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
    Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
    (final) answer is" / "Answer:" (its line; the next lines when it is empty or opens $$ / \[). With <answer> ...
-   </answer> blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the last count;
-   text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
+   </answer> blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the
+   last count; text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
    Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
    is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
    An answer ends where its sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56

@@ -1,117 +1,233 @@
-r"""Answer checking for reasoning RL: extraction, normalisation, exact (symbolic) equivalence and rewards.
+r"""Answer checking for reasoning RL: the final answer, its normalisation, exact equivalence, rewards.
 
-Pure Python on strings: no torch, no eval/exec, no CAS. Scans are linear, inputs bounded (MAX_*: longer answers
-are never equal; huge numbers and expansions are rejected, not computed): milliseconds on 100 KB of adversarial text.
+Pure Python on strings, no eval/exec, no CAS (the exact normal form is exact.py); linear scans, bounded inputs (MAX_*):
+milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff steps 1-3 agree.
 
-1. extract_answer: the content of the last <answer>...</answer> (or the answer found inside it); else the
-   last balanced \boxed{...} / \fbox{...} / `\boxed 5`; else the rest of the line after the last "####";
-   else the sentence after "the (final) answer is" / "Final answer:", without **emphasis** or a reason after a
-   comma (", since ..."); else None. lenient=True adds the last number: for base models only, never rewards.
-2. _normalize: lower-case; drop $, \text{}, \left/\right, spacing, degrees, percent, currency, unit words,
-   a leading "x ="; one spelling for \dfrac, \frac12, \sqrt2, x_1; \frac{a}{b} -> a/b for simple a, b.
-3. _equal: numbers (1,000  2.50  1e3  2\frac{1}{2}) compare as exact Fractions; tuples and intervals
-   element-wise, bracket types kept; sets, bare comma lists and \cup-unions as multisets; any other pair is
-   equal iff the strings are or step 4 proves it. reward(completion, gold) = 1.0 iff 1-4 agree.
-4. _Form, an exact normal form: numerator / denominator, expanded polynomials in the names that appear (x, a_1,
-   \theta, \pi, e; i is the imaginary unit) over Q(i, sqrt 2, sqrt 3, ...), whose square roots of square-free
-   integers are independent over Q: the form is canonical, so n1/d1 = n2/d2 iff n1 d2 == n2 d1. Recursive descent:
-     expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
-     factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
-     primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
-   Roots and logs count only where exact (\sqrt{8} = 2\sqrt{2}, \sqrt[3]{27} = 3, \log_2 8 = 3). No form, never
-   equal: words ("yes" is no y*e*s), f(x), x+2(1/2) (mixed?), \cdots, \pm, \sqrt{x}, 2^3^4, sizes past MAX_*.
-5. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
-6. step_rewards: each "expr=value" step checked by eval_arith, the grammar of 4 on integers and + - * / ( ).
+1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
+   Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
+   (final) answer is" / "Answer:" (its line; the next lines when it is empty or opens $$ / \[). With <answer> ...
+   </answer> blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the
+   last count; text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
+   Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
+   is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
+   An answer ends where its sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56
+   since 7 x 8 = 56` are 30, 8, 56; `$...$` is read to its closing dollar. There is no final answer (reward 0) when
+   - two commitments differ (not is_equiv): boxes, ####, "answer is" alike; several different boxes are instead one
+     set answer, "a, b, ...", which only a gold list of those values matches (compared as a multiset);
+   - after the last commitment the text retracts (no, wrong, mistake, impossible, recount, ...), doubts without
+     settling it (wait, hmm, actually, and no "correct" / "yes" after), or starts a commitment it does not finish (an
+     unclosed \boxed{, "the answer is" at the end);
+   - there are more than MAX_COMMITS commitments, or none (lenient=True: the last number, never for rewards).
+2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and kin, \left/\right/\Bigl, spacing,
+   degrees, percent (50% is 50), currency, trailing unit words (5 cm, 8\sqrt{2} m), articles and plurals of a word
+   answer, a leading "x =" / "g(3) =" / "CD =" / "(m, n) ="; number words (seven, 2.5 thousand); 3 1/4 and 3\frac14 are
+   mixed numbers; 0.666\ldots is 0.\overline{6}; one spelling for \dfrac, \frac12, \sqrt2, x_1, \lbrace, {-}7, +\infty.
+3. _equal: numbers compare as exact Fractions (no rounding: 0.33 is not 1/3); tuples, intervals and matrices (pmatrix =
+   bmatrix) element-wise, bracket types kept; sets, bare lists, \cup-unions and \pm (3, -3) as multisets; distinct
+   assignments p = 1, q = 4 as the tuple (1, 4); a relation x \le 4 as its interval (-\infty, 4] (5 > y is y < 5);
+   (C) 7 matches (C) and 7; 110 matches 110_2 (the digits, when one side omits the base); else exact.same decides.
+   Answers longer than MAX_ANSWER are equal only when identical or the same plain decimal, compared in linear time.
+4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
+5. step_rewards: each "expr=value" step checked by eval_arith, exact.value on integers and + - * / ( ).
 
-Tests: python -m pytest -q tests/test_verify.py
+Tests: python -m pytest -q tests/test_verify.py tests/test_verify_heldout.py
 """
 import re
+import unicodedata
 from fractions import Fraction
-from math import comb, factorial, gcd, isqrt, log
+from itertools import accumulate, repeat
 
-MAX_ANSWER = 500  # characters: longer answers are never equivalent
-MAX_NUMBER = 300  # characters of one number (digits, separators, exponent); longer ones are rejected
-MAX_EXP = 1000  # |exponent| of 1e5 / 10^{5}; 10^100000 is rejected, not computed
+import exact
+from exact import MAX_NUMBER, decimal_key, number as _number
+
+MAX_ANSWER = 4000  # characters: longer answers are equal only when identical (or the same plain decimal)
+MAX_LONG = 100_000  # characters: longer ones are never equal
+MAX_COMMITS = 32  # commitments per completion; more is no answer
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
 MAX_STEPS = 256  # steps scored by step_rewards; later ones are ignored
-MAX_TERMS = 64  # terms of one polynomial of the normal form; (x+y+z)^6 has 28
-MAX_DEG = 32  # degree of a monomial, index of a root
-MAX_BITS = 4096  # bits of a coefficient's numerator or denominator (500! has 3,767)
-MAX_FACT = 500  # largest n of n! and \binom{n}{k}
-MAX_RADICAND = 10 ** 6  # \sqrt{n}: n = s^2 m by trial division up to 1000
-MAX_WORK = 1000  # monomial products per answer: bounds the whole normal form's cost
-MAX_DEPTH = 32  # nesting of brackets in the normal form
+TOO_LONG = "\x00"  # the answer of a commitment past MAX_ANSWER: equal to nothing
 EOS = ("<|endoftext|>", "</s>", "<|im_end|>", "<|eot_id|>", "<eos>")
 
-_BRACE = re.compile(r"[{}]")
-_SPACES = re.compile(r" *")
-_TOKEN = re.compile(r"[^\s$]+")
-_ANSWER_IS = re.compile(r"answer(?: is\b|[ \t*]*:)", re.I)  # "the (final) answer is", "Final Answer:"
-_SENTENCE_END = re.compile(r"\.(?:\s|$)")
-_BECAUSE = re.compile(r",\s+(?:since|because|as|so|which|where|given|from|by|using|thus|hence)\b", re.I)  # why
-_NUMBER_AT_END = re.compile(r"-?\d[\d,]*(?:\.\d+)?$")
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+_ANSWER_IS = re.compile(r"answer(?: is\b|[ \t*]*:|\s*=)", re.I)  # "the (final) answer is", "Final Answer:"
+_HASHES = re.compile(r"####[ \t#]*([^\n]{0,%d})" % (MAX_ANSWER + 1))  # longer: no answer, never a prefix of one
+_GOAL = re.compile(r"\b(?:if|whether|suppose|assum\w*|need|needs|must|want|prove|show|check|verify|claim|guess|expect"
+                   r"|unless|until|why|how|what|maybe|perhaps|possibly|probably|might|could|hypothe\w*)\b", re.I)
+_RETRACT = re.compile(r"\b(?:(?P<weak>wait|hmm+|actually)|oops|mistakes?|mistaken|wrong|incorrect|erroneous|miscalc\w*"
+                      r"|recount\w*|recalculat\w*|recomput\w*|redo|re-?examin\w*|reconsider\w*|impossible|invalid"
+                      r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the "
+                      r"answer)|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not|(?:does "
+                      r"not|doesn't|do not|don't) (?:work|hold|satisfy|fit|make sense))\b|(?<![\w-])no[,.!:]", re.I)
+_CONFIRM = re.compile(r"\b(?:correct|confirm\w*|verified|checks out|yes)\b|✓", re.I)  # "Wait, let me check ... yes"
+_RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
+                    r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
+                    r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
+_DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
+_JOINED = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$")
+_HEADING = re.compile(r"[a-z]{2,}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
+_TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
+_DEPTH = dict.fromkeys("([{", 1) | dict.fromkeys(")]}", -1)
+_NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} / `\\boxed 5`; a truncated last one falls back a few."""
-    end = len(text)
-    for _ in range(8):  # bounded, so 10^5 unclosed "\boxed{" cost 8 short scans, not 10^5
-        if (i := max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))) < 0:
-            return None
-        end, j = i, i + (6 if text.startswith("\\boxed", i) else 5)
-        k, depth = _SPACES.match(text, j).end(), 0
+def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
+    """[(start, end, content)] of the boxes in text[lo:hi] and the start of the last unclosed one (-1 if none)."""
+    out, unclosed = [], -1
+    for i in [m.start() for m in _BOX.finditer(text, lo, hi)]:
+        j = i + (6 if text.startswith("\\boxed", i) else 5)
+        k = j + len(text[j:j + 64]) - len(text[j:j + 64].lstrip(" "))
         if not text.startswith("{", k):
-            if k > j and (m := _TOKEN.match(text, k)):
-                return m.group()  # \boxed 5
+            if k > j and (m := _TOKEN.match(text, k, hi)):
+                out.append((i, m.end(), m.group()))  # \boxed 5
             continue
-        for m in _BRACE.finditer(text, k, k + 4 * MAX_ANSWER):  # balanced braces; a longer answer is no answer
-            depth += 1 if m.group() == "{" else -1
-            if depth == 0:
-                return text[k + 1:m.start()].strip()
-    return None
+        stop, depth, p = min(hi, k + MAX_ANSWER), 1, k + 1  # balanced braces: find "}", count "{" between
+        while (q := text.find("}", p, stop)) >= 0:
+            depth += text.count("{", p, q) - 1
+            p = q + 1
+            if depth <= 0:
+                break
+        out, unclosed = (out + [(i, p, text[k + 1:p - 1].strip())], unclosed) if depth == 0 else (out, i)
+    return out, unclosed
+
+
+def _clip(rest: str) -> tuple[str, int]:
+    """The answer at the start of rest and where it ends: a $...$ span, else up to the end of its clause."""
+    rest, lead = rest.lstrip(" \t:*"), len(rest) - len(rest.lstrip(" \t:*"))
+    for a, b in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", None)):
+        if rest.startswith(a):
+            m = _DOLLAR.search(rest, len(a)) if b is None else None
+            k = m.start() if m else rest.find(b, len(a)) if b else -1
+            if k > len(a) and not _JOINED.match(rest, k + len(b or "$")):  # "$5$ and $6$" is one list answer
+                return rest[len(a):k].strip(), lead + k + len(b or "$")
+    end, depth, pos = len(rest), 0, 0
+    for m in _RUNON.finditer(rest):  # the first cut outside brackets
+        seg, pos = rest[pos:m.start()], m.start()
+        if (depth := depth + sum(seg.count(c) for c in "([{") - sum(seg.count(c) for c in ")]}")) <= 0:
+            end = m.start()
+            break
+    answer = rest[:end].strip(" \t*").rstrip(".").strip(" \t*")
+    return (answer if lead + end < MAX_ANSWER else TOO_LONG), lead + end  # past MAX_ANSWER: never a prefix
+
+
+def _commitments(text: str) -> tuple[list, int] | None:
+    """[(start, end, answer, is_box)] in text order and the start of an unfinished commitment after them (-1 if
+    none), or None when there are more than MAX_COMMITS."""
+    hashes, said = text.count("####"), _ANSWER_IS.findall(text)
+    if text.count("\\boxed") + text.count("\\fbox") + hashes + len(said) > MAX_COMMITS:
+        return None
+    boxes, unfinished = _boxes(text, 0, len(text))
+    out = [(i, j, a, True) for i, j, a in boxes]
+    for m in _HASHES.finditer(text) if hashes else ():
+        a, k = _clip(m[1])
+        if a and not _BOX.search(a) and not _ANSWER_IS.search(a) and not _HEADING.match(a):  # else the inner counts
+            out.append((m.start(), m.start(1) + k, a, False))
+    for m in _ANSWER_IS.finditer(text) if said else ():
+        clause = re.split(r"[,;:.!?]\s|\n", text[max(0, m.start() - 200):m.start()])[-1]
+        body = (rest := text[m.end():m.end() + MAX_ANSWER]).lstrip(" \t:*")
+        body = body.lstrip() if body[:1] in ("\n", "\r") else body  # "The answer is:" then the answer on the next line
+        line = body.split("\n", 1)[0]
+        line, base = (body if line.strip() in ("\\[", "$$", "\\(", "$") else line), m.end() + len(rest) - len(body)
+        if _GOAL.search(clause) or re.match(r"(?:not|n't)\b", line) or any(i <= m.end() < j for i, j, _ in boxes):
+            continue
+        a, k = _clip(line)
+        if _BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a):
+            continue  # its box, or the "answer is" in "Final answer: the answer is 5", counts; "the number of ..."
+        if a:
+            out.append((m.start(), base + k, a, False))
+        elif not text[m.end():].strip(" \t:*$\n"):
+            unfinished = max(unfinished, m.start())  # cut off after "the answer is"
+    return sorted(out), unfinished
+
+
+def _retracts(text: str, i: int) -> bool:
+    """Whether the text after i takes its answer back: a retraction, or a doubt (wait, hmm) it does not settle."""
+    found = [m["weak"] for m in _RETRACT.finditer(text, i, i + 1000)]
+    return any(w is None for w in found) or bool(found) and not _CONFIRM.search(text, i, i + 1000)
+
+
+def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
+    """(the final answer or None, whether the text commits to anything): step 1."""
+    text = text[text.rfind("</think>") + 8:] if depth == 0 and "</think>" in text else text  # thinking: no commitment
+    close = text.find("</answer>")
+    start = text.find("<answer>", 0, close) if close >= 0 else -1
+    if start >= 0 and depth == 0:  # r1 format: the blocks, then whatever follows the last one
+        if text.count("</answer>") > MAX_COMMITS:
+            return None, True
+        answers, pos = [], start
+        while (close := text.find("</answer>", pos)) >= 0 and (open_ := text.rfind("<answer>", pos, close)) >= 0:
+            a, committed = _final(inner := text[open_ + 8:close], 1)
+            answers, pos = answers + [a if committed else inner.strip() or None], close + 9
+        tail, tail_committed = _final(text[pos:], 1)
+        answers += [tail] if tail_committed else [None] if _retracts(text, pos) else []
+        ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
+        return (answers[-1] if ok else None), True
+    if (found := _commitments(text)) is None:
+        return None, True
+    if not (commits := found[0]):
+        return None, found[1] >= 0
+    last = max(j for _, j, *_ in commits)
+    if found[1] > commits[-1][0] or _retracts(text, last):
+        return None, True
+    boxes, others = [], [a for *_, a, box in commits if not box]
+    for *_, a, box in commits:
+        if box and not any(a == b or is_equiv(a, b) for b in boxes):
+            boxes.append(a)
+    answers = others + ([", ".join(boxes)] if len(boxes) > 1 else boxes)
+    final = ", ".join(boxes) if commits[-1][3] and len(boxes) > 1 else commits[-1][2]
+    if len(set(answers)) > 8 or not all(a == final or is_equiv(a, final) for a in answers):
+        return None, True
+    return final, True
 
 
 def extract_answer(text: str, lenient: bool = False) -> str | None:
-    """The completion's final answer (see step 1 of the module docstring), or None."""
-    close = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, close) if close >= 0 else -1
-    if start >= 0:
-        inner = text[start + 8:close]  # holds no "<answer>", so this recursion is one level deep
-        return extract_answer(inner) or inner.strip() or None
-    if boxed := _last_boxed(text):
-        return boxed
-    if (i := text.rfind("####")) >= 0 and (line := text[i + 4:].partition("\n")[0].strip(" \t#")):
-        return line
-    if m := max(_ANSWER_IS.finditer(text), key=lambda x: x.start(), default=None):  # the last one
-        rest = text[m.end():m.end() + MAX_ANSWER].split("\n", 1)[0].strip(" \t:*")  # to the end of line/sentence
-        if "\\boxed" in rest or "\\fbox" in rest:
-            rest = _last_boxed(rest) or rest
-        elif rest.startswith("$") and (k := rest.find("$", 1)) > 1:
-            rest = rest[1:k]
-        else:  # the sentence, without a justification after a comma ("7, since 3 + 4 = 7")
-            rest = _BECAUSE.split(_SENTENCE_END.split(rest, 1)[0], 1)[0]
-        if rest := rest.strip(" \t*").rstrip(".").strip(" \t*"):  # **42** is markdown emphasis
-            return rest
-    if lenient:  # the last number: rfind per digit is C-speed, a regex scan over 100 KB is not
+    """The completion's final answer (step 1 of the module docstring), or None."""
+    answer, committed = _final(text)
+    if answer is None and not committed and lenient:  # the last number: rfind per digit is C-speed
         k = max(text.rfind(c) for c in "0123456789") + 1
         m = _NUMBER_AT_END.search(text, max(0, k - MAX_NUMBER), k) if k else None
         return m.group().rstrip(",") if m else None
-    return None
+    return answer if answer != TOO_LONG else None
 
 
-_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox|operatorname|emph)\s*"
-                   r"\{([^{}]*)\}")
-_DROP = re.compile(r"\\(?:left|right|displaystyle|qquad|quad|degree)(?![a-z])|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}"
-                   r"|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%|\\\$|\$|\\[()\[\]]")
+_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox"
+                   r"|operatorname|emph|boldsymbol|bm|hbox)\s*\{([^{}]*)\}")
+_DROP = re.compile(r"(?=[\\^°%$+dtc])(?:\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)"
+                   r"(?![a-z])"
+                   r"|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%"
+                   r"|\\\$|\$|\\[()\[\]]|(?<![\w}])\+(?=\s*\\infty))")  # the lookahead: fail fast
+_UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\\cdot", "\\pm", "\\infty", "\\pi", "\\sqrt", "\\div",
+                                        "\\le", "\\ge", "\\ne", "\\cup", "\\ldots", "/")))
+_UNICODE |= {c: "\\frac{%d}{%d}" % Fraction(unicodedata.numeric(c)).limit_denominator(10).as_integer_ratio()
+             for c in "½⅓⅔¼¾⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞"}  # vulgar fractions
+_SUPER, _SUPER_DIGITS = re.compile("[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+"), str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+_SPELL = [(t, re.compile(a), b) for t, a, b in (  # (a substring that must be there, pattern, replacement)
+    ("{,}", r"\{,\}", ","), ("}", r"\{([+-])\}", r"\1"), ("\\", r"\\lbrace|\\\{", r"\\{"),
+    ("\\", r"\\rbrace|\\\}", r"\\}"), ("\\lbrack", r"\\lbrack", "["), ("\\rbrack", r"\\rbrack", "]"),
+    ("matrix", r"\\begin\{[pb]?matrix\}", r"\\begin{matrix}"), ("matrix", r"\\end\{[pb]?matrix\}", r"\\end{matrix}"),
+    ("\\", r"\\leq?(?![a-z])|\\leqslant", r"\\le "), ("<=", "<=", r"\\le "), (">=", ">=", r"\\ge "),
+    ("\\", r"\\geq?(?![a-z])|\\geqslant", r"\\ge "), ("\\", r"\\neq?(?![a-z])", r"\\ne "),
+    ("/", r"^(-?\d+)\s+(\d+)\s*/\s*(\d+)$", r"\1\\frac{\2}{\3}"))]
 _FRAC_ARGS = re.compile(r"\\(frac|binom)\s*(\{[^{}]*\}|[^\s{}\\])\s*(\{[^{}]*\}|[^\s{}\\])")  # \frac12, \frac1{2}
 _SQRT = re.compile(r"(\\sqrt|_)\s*([^\s{\\\[])")  # \sqrt2, x_1, \log_2 8: before spaces go, as LaTeX reads them
-_TEXT_UNIT = re.compile(r"(?<=[\d}])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
-_UNITS = re.compile(r"(?<=[\d}])(?:\s+[a-z]{2,}(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
-_LHS = re.compile(r"(?:[a-z](?:_\{?[a-z0-9]+\}?)?|\\[a-z]+)(?:=|\\in(?![a-z]))")  # "x=", "a_1=", "\theta=", "x\in"
+_TEXT_UNIT = re.compile(r"(?<=[\d}a-z!)])\s*\\(?:text|mbox)\s*\{\s*[a-z][a-z\s.]*\}(?:\^\{?\d\}?)?\s*$")  # 5\text{ m}
+_UNITS = re.compile(r"(?<=[\d}!])(?:\s+(?:[a-z]{2,}|[msgl])(?![a-z])\.?(?:\^\{?\d\}?)?){1,4}\s*$")  # 5 cm, 18 dollars
+_LHS = re.compile(r"(?:(?:m?\\angle)?[a-z]{1,3}(?:_\{?[a-z0-9]+\}?)?(?:\([^()=]*\))?|\\[a-z]+(?:\{[a-z]+\})?"
+                  r"|\([a-z](?:,[a-z])+\))(?:=|\\in(?![a-z]))")  # x=, a_1=, g(3)=, cd=, \theta=, (m,n)=, x\in
 _ARG = r"((?:[^{}]|\{[^{}]*\})+)"  # a \frac argument: nested braces one level deep
 _SIMPLE_FRAC = re.compile(r"\\frac\{" + _ARG + r"\}\{" + _ARG + r"\}")
 _ATOM = re.compile(r"-?(?:[\d.]+|[a-z]|\\[a-z]+(?:\{[^{}]*\})?)")  # one factor: 2, x, \pi, \sqrt{3}
 _PRODUCT = re.compile(r"-?(?:[\d.]|[a-z]|\\[a-z]+(?![a-z])(?:\{[^{}]*\})?)+")  # factors side by side: 3\pi, 2\sqrt{3}
+_DOTS = re.compile(r"(-?\d*)\.(\d+)(?:\\[lc]?dots|\.\.\.)")  # 0.666\ldots
+_WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                     "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+_SCALES = {"hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
+_WORD = "(?:%s)" % "|".join(list(_WORDS) + list(_SCALES))
+_NUMWORD = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)\s+)?(%s(?:(?:\s+and\s+|[\s-]+)%s)*)\b" % (_WORD, _WORD))
+_LETTERS = re.compile(r"(?:^|[^\\a-z])[a-z]{2}")
+_PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
+_RELATION = re.compile(r"(<|>|\\le|\\ge)")
+_BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)((?:\(?-?\d|\\frac|\\sqrt).*)")
 
 
 def _slash(m: re.Match) -> str:
@@ -122,74 +238,102 @@ def _slash(m: re.Match) -> str:
     return f"({a}/{b})" if glued else f"{a}/{b}"
 
 
+def _number_words(m: re.Match) -> str:
+    """seven -> 7, twenty-one -> 21, one hundred and five -> 105, 2.5 thousand -> 2500; else unchanged."""
+    words = re.split(r"[\s-]+", m[2])
+    if m[1] and words[0] not in _SCALES:  # 3 seven is no number
+        return m.group()
+    total, part = Fraction(0), Fraction(m[1] or 0)
+    for w in words:
+        if w in _WORDS:
+            part += _WORDS[w]
+        elif w in _SCALES:
+            part = (part or 1) * _SCALES[w]
+            total, part = (total + part, Fraction(0)) if w != "hundred" else (total, part)
+    v = total + part
+    return str(v.numerator) if v.denominator == 1 else str(float(v))
+
+
+def _dots(m: re.Match) -> str:
+    """0.1666\\ldots -> 0.1\\overline{6}: the shortest repeating tail shown at least twice, else unchanged."""
+    d = m[2]
+    sp = next(((s, p) for s in range(len(d)) for p in range(1, (len(d) - s) // 2 + 1) if d[s + p:] == d[s:-p]), None)
+    return f"{m[1]}.{d[:sp[0]]}\\overline{{{d[sp[0]:sum(sp)]}}}" if sp else m.group()
+
+
 def _normalize(s: str) -> str:
-    s = s.strip().lower()
-    s = _last_boxed(s) or s
-    for a, b in (("−", "-"), ("×", "\\times"), ("·", "\\cdot"), ("±", "\\pm"), ("∞", "\\infty"), ("π", "\\pi"),
-                 ("√", "\\sqrt"), ("{,}", ","), ("÷", "\\div")):
-        s = s.replace(a, b)
+    s = s.strip().lower().replace("...", "\\ldots")
+    if s.startswith(("\\boxed", "\\fbox")) and (b := _boxes(s, 0, len(s))[0]) and b[0][1] == len(s):
+        s = b[0][2]  # a whole-answer box
+    s = "".join(_UNICODE.get(c, c) for c in s) if not s.isascii() else s
+    s = _SUPER.sub(lambda m: "^{" + m.group().translate(_SUPER_DIGITS) + "}", s)  # x² -> x^{2}
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
         s = _TEXT.sub(r" \1", s)
+    for t, a, b in _SPELL:
+        s = a.sub(b, s.strip()) if t in s else s
     s = _SQRT.sub(r"\1{\2}", s)
     s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
-    s = _UNITS.sub("", s.strip().rstrip(".").strip())
+    s = s.strip().rstrip(".").strip()
+    if _LETTERS.search(s):  # number words, and "a and b" as a list
+        s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s))
+    s = _UNITS.sub("", s.strip())
+    if re.fullmatch(r"[a-z][a-z' -]*", s):  # a word answer: no article, singular
+        s = _PLURAL.sub(lambda m: m[1] + ("y" if m[2] == "ies" else "") if len(m[0]) > 3 else m[0],
+                        re.sub(r"^(?:the|an?) ", "", s))
     s = re.sub(r"\s+", "", s)
-    for _ in range(4):  # outer \frac first, then the ones it held
+    s = _DOTS.sub(_dots, s) if "." in s else s
+    for _ in range(4 if s.count("\\frac") <= 16 else 0):  # outer \frac first, then the ones it held
         s = _SIMPLE_FRAC.sub(_slash, s)
     for _ in range(8):  # "{5}" -> "5"; bounded, each check is a linear scan
         s = s[1:-1] if s.startswith("{") and _wraps(s) else s
     return s
 
 
-_DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
-_MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
-
-
-def _number(s: str) -> Fraction | None:
-    """'1,000.50', '-.5', '1e-3', '2(1/2)' -> Fraction, else None; thousands groups must all be 3 digits.
-
-    1/2, 1.5\times10^{3} and 2^{10} are expressions whose normal forms (step 4) are numbers."""
-    if len(s) > MAX_NUMBER or not (m := _MIXED.fullmatch(s) or _DECIMAL.fullmatch(s)):
-        return None
-    if m.re is _MIXED:
-        return (-1 if m[1] == "-" else 1) * (int(m[2]) + Fraction(int(m[3]), int(m[4]))) if int(m[4]) else None
-    if not (m[2] or m[3]) or abs(exp := int(m[4] or 0)) > MAX_EXP:
-        return None
-    scale, digits = exp - len(m[3] or ""), int(m[2].replace(",", "") + (m[3] or "") or "0")  # digits * 10^scale
-    v = Fraction(digits * 10 ** scale) if scale >= 0 else Fraction(digits, 10 ** -scale)
-    return -v if m[1] == "-" else v
-
-
 def _wraps(s: str) -> bool:
-    """True when the bracket opening at s[0] closes at s[-1] (any of ([{ with any of )]})."""
-    depth = 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth <= 0:
-            return depth == 0 and i == len(s) - 1
-    return False
+    """True when the bracket opening at s[0] closes at s[-1] (any of ([{ with any of )]}); C-speed running depths."""
+    depths = list(accumulate(map(_DEPTH.get, s, repeat(0)))) if s[:1] in ("(", "[", "{") else [0]
+    return len(depths) > 1 and depths[-1] == 0 and min(depths[:-1]) > 0
 
 
 def _split(s: str, sep: str = ",") -> list[str]:
     """Split at top-level separators (outside any bracket)."""
+    if sep not in s:
+        return [s]
     items, depth, start = [], 0, 0
-    for i, c in enumerate(s):
-        depth += (c in "([{") - (c in ")]}")
-        if depth == 0 and s.startswith(sep, i):
-            items.append(s[start:i])
-            start = i + len(sep)
+    for m in re.finditer(r"[(\[{]|[)\]}]|" + re.escape(sep), s):  # only brackets and separators
+        depth += _DEPTH.get(m.group(), 0)
+        if depth == 0 and m.group() == sep:
+            items.append(s[start:m.start()])
+            start = m.end()
     return items + [s[start:]]
 
 
 def _parts(s: str) -> tuple[str, list[str]] | None:
-    """(kind, items) of a compound answer; kind is the bracket pair for tuples/intervals, 'set' if unordered."""
+    """(kind, items) of a compound answer: the bracket pair of a tuple/interval, 'set' if unordered, a matrix shape."""
+    if s.startswith("\\begin{matrix}") and s.endswith("\\end{matrix}"):
+        rows = [r.split("&") for r in s[14:-12].split("\\\\") if r]
+        return f"matrix{len(rows)}x{len(rows[0]) if rows else 0}", [c for r in rows for c in r]
     if s.startswith("\\{") and s.endswith("\\}") and _wraps(s[1:]):
         return "set", _split(s[2:-2])
     if s[:1] in "([" and s[-1:] in ")]" and _wraps(s):
         return s[0] + s[-1], _split(s[1:-1])
     items = _split(s, "\\cup") if "\\cup" in s else _split(s)  # bare lists and unions are unordered
+    if len(items) == 1 and s.count("\\pm") == 1 and "\\le" not in s and "\\ge" not in s:  # a \pm b: {a + b, a - b}
+        items = [s.replace("\\pm", "+"), s.replace("\\pm", "-")]
     return ("set", items) if len(items) > 1 else None
+
+
+def _relation(s: str) -> str:
+    """x<4 -> (-\\infty,4), 5>y -> (-\\infty,5), 2<x\\le5 -> (2,5]; anything else unchanged."""
+    p = _RELATION.split(s)
+    if len(p) == 3 and _LHS.fullmatch(p[2] + "=") and not _LHS.fullmatch(p[0] + "="):  # 5 > y: name first
+        p = [p[2], {"<": ">", ">": "<", "\\le": "\\ge", "\\ge": "\\le"}[p[1]], p[0]]
+    if len(p) == 3 and _LHS.fullmatch(p[0] + "=") and p[2]:
+        return {"<": "(-\\infty,%s)", "\\le": "(-\\infty,%s]", ">": "(%s,\\infty)", "\\ge": "[%s,\\infty)"}[p[1]] % p[2]
+    if len(p) == 5 and {p[1], p[3]} <= {"<", "\\le"} and _LHS.fullmatch(p[2] + "=") and p[0] and p[4]:
+        return ("(" if p[1] == "<" else "[") + p[0] + "," + p[4] + (")" if p[3] == "<" else "]")
+    return s
 
 
 def _unwrap(s: str) -> str:
@@ -198,189 +342,32 @@ def _unwrap(s: str) -> str:
             s = s[m.end():]
         elif s[:1] == "(" and s[-1:] == ")" and _wraps(s) and len(_split(s[1:-1])) == 1:
             s = s[1:-1]
-    return s
-
-
-_ONE, _UNIT = (1, ()), {(1, ()): Fraction(1)}  # the monomial 1 and the polynomial 1
-_NAMES = ("alpha", "beta", "gamma", "delta", "theta", "lambda", "mu", "rho", "sigma", "tau", "phi", "omega", "pi")  # x
-_FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\[a-z]+|[a-z](?:_\{[a-z0-9]+\})?|\S"
-                         % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
-_TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
-_NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 4
-
-
-def _root(c: Fraction, n: int) -> Fraction | None:
-    """The exact real n-th root of a rational c, or None (integer Newton from above on numerator and denominator)."""
-    out = []
-    for x in (abs(c.numerator), c.denominator):
-        r = 1 << -(-x.bit_length() // n)
-        while r and (y := ((n - 1) * r + x // r ** (n - 1)) // n) < r:
-            r = y
-        out.append(r)
-    return r if (r := Fraction(*out) * (-1 if c < 0 else 1)) ** n == c else None
-
-
-class _Form:
-    """Step 4: a value is (numerator, denominator), polynomials as dicts {monomial: Fraction}; a monomial is
-    (m, ((name, exponent), ...)) with m a signed square-free integer for sqrt(m) (1: none, -1: i), names sorted."""
-
-    def __init__(self, s: str):
-        if _NO_FORM.search(s):
-            raise ValueError(s)
-        self.toks, self.pos, self.work, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0, 0
-
-    def check(self, p: dict) -> dict:
-        p = {m: c for m, c in p.items() if c}
-        if len(p) > MAX_TERMS or any(max(c.numerator.bit_length(), c.denominator.bit_length()) > MAX_BITS
-                                     or sum(e for _, e in m[1]) > MAX_DEG for m, c in p.items()):
-            raise ValueError("too large")
-        return p
-
-    def const(self, c: Fraction | int) -> tuple:
-        return self.check({_ONE: Fraction(c)}), _UNIT
-
-    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
-        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
-        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
-            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
-        return int(c) if integer else c
-
-    def mul(self, p: dict, q: dict) -> dict:
-        if (work := self.work + len(p) * len(q)) > MAX_WORK:
-            raise ValueError("too much work")
-        out, self.work = {}, work
-        for (m1, v1), x in p.items():
-            for (m2, v2), y in q.items():
-                g = gcd(m1, m2) * (-1 if m1 < 0 and m2 < 0 else 1)  # i i = -1
-                names = (n1 := dict(v1)) | {k: n1.get(k, 0) + e for k, e in v2}
-                key = ((m1 // g) * (m2 // g), tuple(sorted(names.items())))  # sqrt(a) sqrt(b) = g sqrt(ab / g^2)
-                out[key] = out.get(key, 0) + (x * y if g == 1 else g * x * y)
-        return self.check(out)
-
-    def value(self, n: dict, d: dict) -> tuple:
-        if not d:
-            raise ZeroDivisionError
-        c = d.get(_ONE) if len(d) == 1 else None  # a rational denominator goes into the coefficients
-        return (n, d) if c is None else ({m: x / c for m, x in n.items()}, _UNIT)
-
-    def add(self, u: tuple, v: tuple, sign: int) -> tuple:
-        (a, b), (c, d) = u, v
-        a, c, b = (a, c, b) if b == d else (self.mul(a, d), self.mul(c, b), self.mul(b, d))
-        return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
-
-    def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
-        v = (v[1], v[0]) if divide else v
-        return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
-
-    def power(self, v: tuple, k: Fraction) -> tuple:
-        if k.denominator > 1 or set(v[0]) <= {_ONE} and v[1] == _UNIT:  # a rational base: bound the result first
-            c = self.rational(v)
-            if c == 0 and k <= 0 or max(abs(c.numerator), c.denominator).bit_length() * abs(k.numerator) > MAX_BITS:
-                raise ValueError("power")
-            return self.root(c ** k.numerator, k.denominator)
-        out = (_UNIT, _UNIT)
-        for _ in range(abs(int(k))):  # MAX_WORK ends i^(10^9) and x^(10^9) early
-            out = self.times(out, v, divide=k < 0)
-        return out
-
-    def root(self, c: Fraction, n: int) -> tuple:
-        """c^(1/n) when it is rational, or sqrt(t) for a rational t: s sqrt(m) / q with m square-free and signed."""
-        if (r := _root(c, n)) is not None:
-            return self.const(r)
-        if n % 2 or (t := _root(abs(c), n // 2)) is None or c < 0 < n - 2:  # \sqrt[4]{4} = \sqrt{2}; no \sqrt[4]{-4}
-            raise ValueError("root")
-        m, s = t.numerator * t.denominator, 1  # sqrt(p / q) = sqrt(p q) / q = s sqrt(m) / q, m square-free
-        for d in range(2, isqrt(m) + 1 if m <= MAX_RADICAND else 0):  # trial division, at most 1000 steps
-            while m % (d * d) == 0:
-                m, s = m // (d * d), s * d
-        if m > MAX_RADICAND:
-            raise ValueError("radicand")
-        return {(m if c > 0 else -m, ()): Fraction(s, t.denominator)}, _UNIT  # \sqrt{-4} = 2i
-
-    def take(self, *ops: str) -> str | None:
-        t = self.toks[self.pos] if self.toks[self.pos] in ops else None
-        self.pos += t is not None
-        return t
-
-    def expr(self, whole: bool = False) -> tuple:
-        v = self.term()
-        while t := self.take("+", "-"):
-            v = self.add(v, self.term(), 1 if t == "+" else -1)
-        if whole and self.toks[self.pos]:
-            raise ValueError(self.toks[self.pos])
-        return v
-
-    def term(self) -> tuple:
-        v = self.factor()
-        while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS or (
-                t[:1].isdigit() and self.toks[self.pos - 1] == "!"):  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}, 2!4!
-            self.pos += t in _TIMES  # a number never follows anything else: x2, (x)2 are rejected
-            v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
-        return v
-
-    def factor(self, exponent: bool = False) -> tuple:
-        sign = 1
-        while t := self.take("+", "-"):
-            sign = -sign if t == "-" else sign
-        v = self.primary()
-        if not exponent and self.take("!"):  # 2^3! and 5!! are left over, so rejected: ambiguous, as 2^3^4
-            v = self.const(factorial(self.rational(v, integer=True)))
-        if not exponent and self.take("^"):
-            v = self.power(v, self.rational(self.factor(exponent=True)))
-        return v if sign > 0 else ({m: -c for m, c in v[0].items()}, v[1])
-
-    def primary(self) -> tuple:
-        t, self.pos = self.toks[self.pos], self.pos + 1
-        if t and t[0] in "0123456789." and len(t) <= MAX_NUMBER:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
-            num, _, rep = t.partition("\\overline")
-            rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
-            return self.const(Fraction(num) + rep)
-        if t[:1].isalpha() or t[1:] in _NAMES:
-            return {(-1, ()) if t == "i" else (1, ((t, 1),)): Fraction(1)}, _UNIT
-        if t in ("(", "{") and self.depth < MAX_DEPTH:
-            self.depth += 1
-            v, self.depth = self.expr(), self.depth - 1
-            if self.take(")" if t == "(" else "}"):
-                return v
-        if t == "\\sqrt":  # \sqrt[n]{c}
-            n, close = (self.rational(self.expr(), integer=True), self.take("]")) if self.take("[") else (2, "]")
-            if close and 2 <= n <= MAX_DEG:
-                return self.root(self.rational(self.primary()), n)
-        if t == "\\frac":
-            return self.times(self.primary(), self.primary(), divide=True)
-        if t == "\\binom":
-            return self.const(comb(self.rational(self.primary(), True), self.rational(self.primary(), True)))
-        if t == "\\log" and self.take("_"):  # log_b(a) = p/q iff b = c^q and a = c^p for a rational c
-            b, a = self.rational(self.primary()), self.rational(self.primary())
-            for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
-                if (c := _root(b, q)) is not None and c != 1:
-                    p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
-                    if abs(p) <= MAX_DEG and c ** p == a:
-                        return self.const(Fraction(p, q))
-        raise ValueError(t)
-
-
-def _same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
-    """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1."""
-    try:
-        p = _Form(a if x is None else "")
-        u = p.expr(whole=True) if x is None else p.const(x)
-        (n1, d1), (n2, d2) = u, _Form(b).expr(whole=True) if y is None else p.const(y)
-        return p.mul(n1, d2) == p.mul(n2, d1)
-    except (ValueError, ZeroDivisionError):
-        return False
+        else:
+            break
+    if "=" in s and len(items := _split(s)) > 1 and all(m := [_LHS.match(t) for t in items]):
+        names = [t[:k.end()] for t, k in zip(items, m)]  # p=1,q=4 -> (1,4); x=2,x=3 stays a set of values
+        if len(set(names)) == len(names):
+            return "(" + ",".join(t[k.end():] for t, k in zip(items, m)) + ")"
+    return _relation(s) if ("<" in s or ">" in s or "\\le" in s or "\\ge" in s) else s
 
 
 def _equal(a: str, b: str, depth: int = 0) -> bool:
     a, b = _unwrap(a), _unwrap(b)
     if a == b:
         return True
+    for u, v in ((a, b), (b, a)):  # (c)7 is (c) and 7; 110_2 is 110 (one side omits the base), not 6
+        if (m := _CHOICE.fullmatch(u)) and (v in (m[1], f"({m[1]})") or _equal(m[2], v, depth + 1)):
+            return True
+        if (m := _BASE.fullmatch(u)) and 2 <= int(m[2]) <= 36 and all(int(c, 36) < int(m[2]) for c in m[1]):
+            return m[1].lstrip("0") == v.lstrip("0")
     x, y = _number(a), _number(b)
     if x is not None and y is not None:
         return x == y
+    if x is None and y is None and max(len(a), len(b)) > MAX_NUMBER and (k := decimal_key(a)) is not None:
+        return k == decimal_key(b)  # plain decimals too long to convert, digit by digit
     pa, pb = _parts(a), _parts(b)
     if x is not None or y is not None or pa is None or pb is None:  # an expression on one side: the normal form decides
-        return _same(a, x, b, y)
+        return exact.same(a, x, b, y)
     if depth > 4 or pa[0] != pb[0] or len(pa[1]) != len(pb[1]) or len(pa[1]) > 32:
         return False
     if pa[0] != "set":
@@ -394,16 +381,27 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
     return True
 
 
+def _long_equal(a: str, b: str) -> bool:
+    """Answers past MAX_ANSWER: identical up to spacing, or the same plain decimal (linear time)."""
+    a, b = (t.translate(_SPACING).replace("\\,", "").replace("\\!", "").replace("{,}", "") for t in (a, b))
+    if a == b:
+        return True
+    ka, kb = decimal_key(a.replace(",", "")), decimal_key(b.replace(",", ""))
+    return ka is not None and ka == kb
+
+
 def is_equiv(pred: str | None, gold: str | None) -> bool:
-    """True when the two answers are the same after normalisation (exact rationals for numbers)."""
-    if pred is None or gold is None or len(pred) > MAX_ANSWER or len(gold) > MAX_ANSWER:
+    """True when the two answers are the same after normalisation (exact rationals for numbers): steps 2-3."""
+    if pred is None or gold is None or len(pred) > MAX_LONG or len(gold) > MAX_LONG or TOO_LONG in (pred, gold):
         return False
+    if len(pred) > MAX_ANSWER or len(gold) > MAX_ANSWER:
+        return bool(pred.strip()) and _long_equal(pred, gold)
     a, b = _normalize(pred), _normalize(gold)
     return bool(a) and bool(b) and _equal(a, b)
 
 
 def reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's extracted final answer is equivalent to gold, else 0.0 (no answer -> 0.0)."""
+    """1.0 if the completion's final answer (step 1) is equivalent to gold, else 0.0 (no final answer -> 0.0)."""
     return float(is_equiv(extract_answer(completion), gold))
 
 
@@ -428,10 +426,7 @@ def eval_arith(expr: str) -> Fraction | None:
     expr = expr.replace("×", "*").replace("÷", "/")
     if len(expr) > MAX_EXPR or not _ARITH.fullmatch(expr) or _GLUED.search(expr):
         return None
-    try:
-        return (p := _Form(expr)).rational(p.expr(whole=True))  # the grammar of step 4 on integers and + - * / ( )
-    except (ValueError, ZeroDivisionError):
-        return None
+    return exact.value(expr)  # exact.value on integers and + - * / ( ): one iterative pass
 
 
 def step_rewards(solution: str) -> list[tuple[int, bool]]:

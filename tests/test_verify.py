@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+import exact
 import verify
 from verify import eval_arith, extract_answer, format_reward, is_equiv, reward, step_rewards
 
@@ -13,32 +14,34 @@ from verify import eval_arith, extract_answer, format_reward, is_equiv, reward, 
 EXTRACT = [
     # <answer> tags: the last block wins; a \boxed{} inside it wins over the rest of the block
     ("<think>x</think><answer>5</answer>", "5"),
-    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    ("<answer>1</answer> then <answer>2</answer>", None),  # two different committed answers
     ("<answer>The result is \\boxed{7}.</answer>", "7"),
     ("<answer> 3 </answer>", "3"),
     ("<answer>x = 4</answer><|endoftext|>", "x = 4"),
-    ("<answer>3</answer> \\boxed{4}", "3"),
+    ("<answer>3</answer> \\boxed{4}", None),
+    ("<answer>3</answer> \\boxed{3}", "3"),
     ("<answer>The answer is 18.</answer>", "18"),
     ("<answer>Answer: (B)</answer>", "(B)"),
     # \boxed / \fbox: the last balanced one
     ("\\boxed{5}", "5"),
-    ("a \\boxed{1} b \\boxed{2}", "2"),
+    ("a \\boxed{1} b \\boxed{2}", "1, 2"),  # several boxes: one set answer
     ("$\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}"),
     ("\\boxed{{a}{b}}", "{a}{b}"),
     ("\\boxed 5$", "5"),
     ("so $\\boxed 12$.", "12"),
     ("\\fbox{9}", "9"),
-    ("\\boxed{12} and then \\boxed{1", "12"),
+    ("\\boxed{12} and then \\boxed{1", None),  # cut off while committing to a new answer
     ("\\boxed{\\text{(A)}}", "\\text{(A)}"),
     ("thus \\boxed{ x = 3 }.", "x = 3"),
-    ("\\boxed{4} #### 5", "4"),
+    ("\\boxed{4} #### 5", None),
+    ("\\boxed{5} #### 5", "5"),
     ("The answer is \\boxed{8} indeed", "8"),
     # GSM8K ####: the rest of the line after the last one
     ("#### 42", "42"),
     ("48/2 = 24\n#### 1,234\n", "1,234"),
-    ("#### 1\n#### 2", "2"),
+    ("#### 1\n#### 2", None),
     ("####5", "5"),
-    ("#### 5\nso the answer is 6", "5"),
+    ("#### 5\nso the answer is 6", None),
     # "the (final) answer is", "Final answer:"
     ("The answer is 42.", "42"),
     ("So the final answer is $\\frac{1}{2}$. I hope it is correct.", "\\frac{1}{2}"),
@@ -46,7 +49,8 @@ EXTRACT = [
     ("**Final Answer:** 17", "17"),
     ("Final answer: x = 4", "x = 4"),
     ("The answer is: 9", "9"),
-    ("The answer is 1 and more.\nThe answer is 2.", "2"),
+    ("The answer is 1 and more.\nThe answer is 2.", None),
+    ("The answer is 2 apples.\nThe answer is 2.", "2"),
     ("The answer is **42**.", "42"),  # markdown emphasis
     ("**The answer is 42**", "42"),
     ("The answer is 7, since 3 + 4 = 7.", "7"),  # a justification after a comma
@@ -143,10 +147,11 @@ EQUIV_FALSE = [
     ("(-\\infty, 3]", "(-\\infty, 3)"), ("\\{1,2\\}", "\\{1,3\\}"), ("1,2", "1,2,3"), ("1,1,2", "1,2,2"),
     ("1e3", "100"), ("10^{3}", "100"), ("1.5\\times10^{3}", "150"),  # scientific
     ("10^10^10", "1"), ("10^{100000}", "1"), ("1e100000", "10^{100000}"), ("1e1001", "10^{1001}"),  # rejected
-    ("9" * 400, "9" * 400 + ".0"), ("1" + "0" * 400, "1e400"),  # over-long numbers are rejected, not computed
+    ("1" + "0" * 400, "1e400"),  # over-long numbers are rejected, not computed
     ("A", "B"), ("\\text{(A)}", "(B)"), ("yes", "no"), ("2\\mathrm{i}", "2"), ("x\\infty", "\\infty"),
     ("\\frac{x+1}{2}", "x+1/2"), ("x = 2, y = 3", "2"),
-    ("5" + " " * 600, "5"), ("x" * 600, "x" * 600),  # over-long answers are never equivalent
+    ("5" + " " * 100_001, "5"), ("x" * 100_001, "x" * 100_001),  # past MAX_LONG answers are never equivalent
+    ("9" * 600, "9" * 599 + "8"), ("x" * 600, "x" * 599 + "y"), ("1" * 600, "1" * 600 + "0"),  # long near-misses
 ]
 
 
@@ -218,7 +223,7 @@ SYMBOLIC_FALSE = [
     # ambiguous or undecidable: no normal form, so never equal
     ("yes", "sey"), ("abc", "cab"), ("g(f(x))", "f(g(x))"), ("f(x+1)", "f(x)+f(1)"), ("2^3^4", "2^{81}"),
     ("2^3^4", "4096"), ("2^3!", "64"), ("5!!", "15"), ("x+2\\frac{1}{2}", "x+\\frac{5}{2}"), ("\\pi 6", "6\\pi"),
-    ("\\sqrt{x^2}", "x"), ("x^{1/2}", "\\sqrt{x}"), ("\\sqrt[4]{-4}", "1+i"), ("\\log 100", "2"), ("\\ln e", "1"),
+    ("\\sqrt{x^2}", "x"), ("\\sqrt[4]{-4}", "1+i"), ("\\log 100", "2"), ("\\ln e", "1"),
     ("\\frac{1}{\\sqrt{2}-\\sqrt{2}}", "0"), ("\\frac{0}{0}", "0"), ("0^{0}", "1"), ("\\frac{x}{0}", "\\frac{y}{0}"),
     ("1 \\pm \\sqrt{2}", "\\pm\\sqrt{2}"), ("x \\cdots 2", "2xs"), ("1000!", "1000!+0"), ("\\binom{1000}{2}", "499500"),
     ("\\sqrt{2 \\cdot 10^{12}}", "10^6\\sqrt{2}"), ("(x+1)^{32}", "(x+1)^{32}+0"),  # past MAX_FACT, _RADICAND, _WORK
@@ -287,22 +292,51 @@ def test_random_radicals_and_complex_numbers():
 
 def test_bounds_reject_before_computing(monkeypatch):
     calls = []
-    monkeypatch.setattr(verify, "factorial", lambda n: calls.append(n) or math.factorial(n))
+    monkeypatch.setattr(exact, "factorial", lambda n: calls.append(n) or math.factorial(n))
     assert not is_equiv("1000!", "1000!+0") and not is_equiv("10^{100000}", "10^{100000}+0")
     assert calls == []  # 1000! was never computed: past MAX_FACT
     assert is_equiv("500!", "500!+0") and calls == [500, 500]
     products = []
-    real_mul = verify._Form.mul
-    monkeypatch.setattr(verify._Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
+    real_mul = exact.Form.mul
+    monkeypatch.setattr(exact.Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
     assert not is_equiv("(1+i)^{5000}", "(1+i)^{5000}+0")  # 2 terms, degree 0, 2500 bits: only MAX_WORK stops it
-    assert sum(products) <= 3 * (verify.MAX_WORK + verify.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
+    assert sum(products) <= 3 * (exact.MAX_WORK + exact.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
     products.clear()
-    monkeypatch.setattr(verify, "MAX_WORK", 4)  # a tiny budget: enough to compare x+1 with 1+x, not for (x+1)^2
+    monkeypatch.setattr(exact, "MAX_WORK", 4)  # a tiny budget: enough to compare x+1 with 1+x, not for (x+1)^2
     assert is_equiv("x+1", "1+x") and not is_equiv("(x+1)^2", "x^2+2x+1")
-    monkeypatch.setattr(verify, "MAX_BITS", 64)
-    assert is_equiv("2^{31}", "2147483648") and not is_equiv("2^{64}", "18446744073709551616")  # 2 bits * 64 > 64
-    monkeypatch.setattr(verify, "MAX_RADICAND", 100)
+    monkeypatch.setattr(exact, "MAX_BITS", 64)
+    assert is_equiv("2^{31}", "2147483648")
+    with pytest.raises(ValueError):  # 2 bits * 64 > 64: the form refuses before computing
+        exact.Form("2^{64}").expr(whole=True)
+    assert is_equiv("2^{64}", "18446744073709551616")  # decided by exponent arithmetic instead (exact.Power)
+    assert not is_equiv("2^{64}", "18446744073709551617") and not is_equiv("2^{64}", "2^{63}")
+    monkeypatch.setattr(exact, "MAX_RADICAND", 100)
     assert is_equiv("\\sqrt{98}", "7\\sqrt{2}") and not is_equiv("\\sqrt{102}", "\\sqrt{102}+0")
+
+
+def _random_arith(rng: random.Random, depth: int) -> tuple[str, Fraction]:
+    """A random numeric LaTeX expression and its value, computed here by hand (the independent expectation)."""
+    if depth == 0 or rng.random() < 0.3:
+        n = rng.randint(-9, 9)
+        return (f"({n})" if n < 0 else str(n)), Fraction(n)
+    (a, x), (b, y) = _random_arith(rng, depth - 1), _random_arith(rng, depth - 1)
+    op = rng.choice(["+", "-", "\\cdot", "\\frac", "^"] if y else ["+", "-", "\\cdot"])
+    if op == "\\frac":
+        return f"\\frac{{{a}}}{{{b}}}", x / y
+    if op == "^":
+        k = rng.randint(0, 3) if x else rng.randint(1, 3)
+        return f"({a})^{{{k}}}", x ** k
+    return f"({a}){op}({b})", x + y if op == "+" else x - y if op == "-" else x * y
+
+
+def test_numeric_value_pass_matches_hand_computed_values():
+    """exact.value (iterative) and exact.Form (recursive) agree with values computed by construction."""
+    rng = random.Random(5)
+    for _ in range(300):
+        s, v = _random_arith(rng, rng.randint(1, 5))
+        assert exact.value(s) == v, s
+        assert (p := exact.Form(s)).rational(p.expr(whole=True)) == v, s
+        assert is_equiv(s, str(v)) and not is_equiv(s, str(v + Fraction(1, 7))), s
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
@@ -328,6 +362,198 @@ REWARD = [
 @pytest.mark.parametrize("completion,gold,expected", REWARD)
 def test_reward(completion, gold, expected):
     assert reward(completion, gold) == expected
+
+
+# ---------------------------------------------------------------------------------------------------- the final answer
+FINAL = [  # (completion, gold, reward): the answer is what the completion commits to last, and nothing else
+    # several different committed answers: boxes, ####, "the answer is" alike
+    ("It is either \\boxed{12} or perhaps \\boxed{15}.", "12", 0.0),
+    ("It is either \\boxed{12} or perhaps \\boxed{15}.", "15", 0.0),
+    ("So \\boxed{12}.\n#### 15", "15", 0.0),
+    ("#### 12\nOn second thought the answer is 15.", "15", 0.0),
+    ("The answer is 12.\nThe answer is 15.", "15", 0.0),
+    ("<answer>12</answer><answer>15</answer>", "15", 0.0),
+    ("<think>so</think><answer>12</answer> and \\boxed{15}", "12", 0.0),
+    # a retraction after the last answer, with no new one
+    ("So \\boxed{12}. Wait, I dropped a term: it should be 13.", "12", 0.0),
+    ("#### 40\nHmm, that is wrong, let me recount the pens.", "40", 0.0),
+    ("The answer is 6. Actually no, I misread the question.", "6", 0.0),
+    ("<answer>6</answer> Oops, that was a mistake.", "6", 0.0),
+    # a box the text itself rejects
+    ("x = \\boxed{-2} is impossible since lengths are positive, so x = 3.", "-2", 0.0),
+    ("x = \\boxed{-2} is impossible since lengths are positive, so x = 3.", "3", 0.0),
+    # cut off while committing: an unclosed box, or "the answer is" at the end
+    ("First try: \\boxed{8}. Redoing it: 2 \\cdot 5 = \\boxed{1", "8", 0.0),
+    ("#### 8\nNo wait. The final answer is", "8", 0.0),
+    # a goal or a condition is not a commitment
+    ("We must show that the answer is 20. Consider the first", "20", 0.0),
+    ("If the answer is 20 then 4x = 80, so", "20", 0.0),
+    ("Maybe the answer is 20. Let us compute", "20", 0.0),
+    ("If the answer were 4 we would need 2x = 8. Solving gives x = 5.\n#### 5", "5", 1.0),
+    ("Is it 4? Check: 2 + 2 = 4. The answer is 4.", "4", 1.0),
+    # the same answer committed twice is one answer
+    ("The answer is \\boxed{7}.\n#### 7", "7", 1.0),
+    ("The final answer is $\\boxed{30}$. I hope it is correct.", "30", 1.0),
+    ("Final Answer: The final answer is $30$. I hope it is correct.", "30", 1.0),
+    ("The answer is 30 apples.\n#### 30", "30", 1.0),
+    ("\\boxed{\\frac12} so the answer is 0.5", "1/2", 1.0),
+    ("<think>maybe 4, no, 5</think><answer>5</answer>", "5", 1.0),  # thinking before the answer block is not hedging
+    ("Let me double-check: 6 \\times 7 = 42. So \\boxed{42}. Verified: 42 / 7 = 6.", "42", 1.0),
+    # several boxes are one set answer: only a gold list of those values matches
+    ("The roots are \\boxed{2} and \\boxed{-3}.", "-3, 2", 1.0),
+    ("The roots are \\boxed{2} and \\boxed{-3}.", "\\{2, -3\\}", 1.0),
+    ("The roots are \\boxed{2} and \\boxed{-3}.", "2", 0.0),
+    ("The roots are \\boxed{2} and \\boxed{-3}.", "2, 3", 0.0),
+    ("The roots are \\boxed{2} and \\boxed{-3}. The answer is 2 and -3.", "2, -3", 1.0),
+    ("The roots are \\boxed{2} and \\boxed{-3}. The answer is 2.", "2", 0.0),
+    # the answer ends where its sentence or clause does
+    ("#### 30 (so 30 apples are left)", "30", 1.0),
+    ("The answer is 8, not 6.", "8", 1.0),
+    ("The answer is 8, not 6.", "6", 0.0),
+    ("The answer is 56 since 7 times 8 is 56", "56", 1.0),
+    ("The answer is $\\$25$.", "25", 1.0),
+    ("The answer is 4 or 9.", "4", 0.0),  # a hedge inside one answer is no answer
+    ("The answer is: \n\n$42$", "42", 1.0),
+    ("**Answer:** 17 apples", "17", 1.0),
+    ("The answer is 5! ways.", "120", 1.0),  # a factorial, not an exclamation
+    ("So the answer is (1, 2), as claimed.", "(1,2)", 1.0),
+    ("The answer is the number of pairs, which is 10.\nSo the answer is \\boxed{10}.", "10", 1.0),  # a description
+    ("<think>is the answer 4? no wait, 4 + 1</think>The answer is \\boxed{5}.", "5", 1.0),  # thinking is no commitment
+    ("<think>so the answer is 4</think>", "4", 0.0),
+    ("#### Step 1: add\n3 + 4 = 7\n#### Step 2: double\n#### 14", "14", 1.0),  # markdown headings are not answers
+    ("The answer is $5$ and $6$.", "5, 6", 1.0), ("The answer is $5$ and $6$.", "5", 0.0),
+    ("The answer is $5$ or $6$.", "5", 0.0),
+    ("\\boxed{5}\n\nWait, let me double check: 2 + 3 = 5. Correct.", "5", 1.0),  # a doubt it settles
+    ("\\boxed{5}. Wait, she ate one of them.", "5", 0.0),  # one it does not
+    ("The answer is:\n\\[\n\\boxed{5}\n\\]", "5", 1.0), ("The final answer is:\n$$\n12\n$$", "12", 1.0),  # display math
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", FINAL)
+def test_final_answer(completion, gold, expected):
+    assert reward(completion, gold) == expected
+
+
+HEDGES = [  # templates of completions that commit to two answers, or to one and take it back
+    "maybe \\boxed{{{a}}}, or else \\boxed{{{b}}}",
+    "\\boxed{{{a}}}. Hmm, no: recounting gives {b}.",
+    "#### {a}\nThat is wrong, let me recount.",
+    "\\boxed{{{a}}} is impossible because it is too big; hence the answer is {b}.",
+    "The answer is {a}.\n#### {b}",
+    "\\boxed{{{a}}}\nThe final answer is {b}.",
+    "<answer>{a}</answer>\n<answer>{b}</answer>",
+    "So \\boxed{{{a}}}. Wait, that is not right.",
+    "The answer is {a}. Actually, I made a mistake in step 2.",
+    "First \\boxed{{{a}}}, then recomputing \\boxed{{",
+    "#### {a}\n#### {b}",
+]
+
+
+def test_reward_hacking_hedges_earn_nothing():
+    """A batch of hedging completions earns 0 whatever the gold: either of its answers, or another one."""
+    rng = random.Random(3)
+    for _ in range(40):
+        a, b = rng.sample(["7", "12", "\\frac{3}{4}", "2\\sqrt{2}", "x+1", "(1, 2)", "-5", "0.5", "\\pi"], 2)
+        for t in HEDGES:
+            text = t.format(a=a, b=b)
+            for gold in (a, b, "13"):
+                assert reward(text, gold) == 0.0, (text, gold)
+    for t in HEDGES:  # the control: each template with one answer stated once, no retraction, is rewarded
+        assert reward(t.format(a="12", b="12").split("\n")[0].split(" Wait")[0].split(" Actually")[0]
+                      .split("Hmm")[0].split(" is impossible")[0].split(", then")[0], "12") == 1.0, t
+
+
+FORMS_TRUE = [  # the forms a MATH grader accepts (item 3 of issue 23)
+    ("seven", "7"), ("Twenty-one", "21"), ("2.5 thousand", "2500"), ("one hundred and five", "105"),
+    ("seven apples", "7"), ("3 1/4", "13/4"), ("-2 1/2", "-5/2"), ("\\mathbf{7}", "7"), ("\\boldsymbol{x+1}", "1+x"),
+    ("\\Bigl( 1, 2 \\Bigr)", "(1,2)"), ("\\bigl[ 0, 1 \\bigr)", "[0,1)"),
+    ("\\left\\lbrace 1, 2 \\right\\rbrace", "\\{2,1\\}"),
+    ("{-}7", "-7"), ("(-\\infty, +\\infty)", "(-\\infty, \\infty)"), ("[3, +\\infty)", "[3,\\infty)"),
+    ("8\\sqrt{2} \\text{ m}", "8\\sqrt2"), ("8\\sqrt{2} m", "8\\sqrt2"), ("4\\pi \\text{ cm}^2", "4\\pi"),
+    ("5 > y", "y < 5"), ("x \\geq 3", "3 \\le x"), ("x \\le 4", "(-\\infty, 4]"), ("x > -1", "(-1, \\infty)"),
+    ("2 < x \\leq 5", "(2, 5]"), ("g(3) = 10", "10"), ("CD = 9", "9"), ("m\\angle ABC = 40^\\circ", "40"),
+    ("p = 1, q = 4", "(1, 4)"), ("(m, n) = (1, 4)", "(1, 4)"), ("\\pm 3", "3, -3"), ("x = \\pm 3", "-3,3"),
+    ("1 \\pm \\sqrt{2}", "1+\\sqrt2, 1-\\sqrt2"),
+    ("\\begin{bmatrix} 0.25 & 1 \\\\ 2 & 3 \\end{bmatrix}",
+     "\\begin{pmatrix} \\frac{1}{4} & 1 \\\\ 2 & 3 \\end{pmatrix}"),
+    ("\\begin{pmatrix} 1 \\\\ -2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ {-}2 \\end{pmatrix}"),
+    ("y^{1/2}", "\\sqrt{y}"), ("3^{1/3}", "\\sqrt[3]{3}"), ("3\\sqrt[3]{2}", "\\sqrt[3]{54}"),
+    ("x^{3/2}", "x\\sqrt{x}"),
+    ("\\frac{1}{\\sqrt[3]{2}}", "\\frac{\\sqrt[3]{4}}{2}"), ("\\sqrt[3]{x^3}", "x"), ("2^{-1/2}", "\\frac{\\sqrt2}{2}"),
+    ("0.666\\ldots", "\\frac{2}{3}"), ("0.1666...", "\\frac16"), ("0.142857142857\\dots", "\\frac17"),
+    ("-0.333\\ldots", "-1/3"),
+    ("\\textbf{(C) } 7", "(C)"), ("\\textbf{(C) } 7", "7"), ("(B) \\frac{1}{2}", "B"),
+    ("the dogs", "dog"), ("an equilateral triangle", "Equilateral Triangle"), ("Parties", "party"), ("boxes", "box"),
+    ("110", "110_2"), ("1011_{2}", "1011"), ("A3", "A3_{16}"),
+    ("½", "0.5"), ("3½", "7/2"), ("x²", "x^2"), ("2 × 3", "6"), ("−4", "-4"), ("x ≤ 4", "x \\le 4"),
+    ("1, 2, and 3", "3, 2, 1"), ("Tom and Jerry", "Jerry and Tom"),
+]
+FORMS_FALSE = [  # their near misses
+    ("seven", "8"), ("2.5 thousand", "250"), ("3 1/4", "3/4"), ("3 1/4", "31/4"), ("{-}7", "7"),
+    ("(-\\infty, 4]", "(-\\infty, 4)"), ("8\\sqrt{2} \\text{ m}", "8\\sqrt3"), ("5 > y", "y > 5"),
+    ("x \\le 4", "x < 4"),
+    ("x \\le 4", "(-\\infty, 4)"), ("2 < x \\le 5", "[2, 5]"), ("g(3) = 10", "3"), ("x + y = 5", "5"),
+    ("p = 1, q = 4", "(4, 1)"), ("p = 1, q = 4", "1"), ("\\pm 3", "3"), ("\\pm 3", "3, 3"),
+    ("1 \\pm \\sqrt{2}", "\\pm \\sqrt2"),
+    ("\\begin{bmatrix} 0.25 & 1 \\\\ 2 & 3 \\end{bmatrix}",
+     "\\begin{pmatrix} \\frac{1}{4} & 1 \\\\ 3 & 2 \\end{pmatrix}"),
+    ("\\begin{pmatrix} 1 & 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),  # the shape counts
+    ("\\begin{vmatrix} 1 & 2 \\\\ 3 & 4 \\end{vmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
+    ("y^{1/2}", "y"), ("3^{1/3}", "\\sqrt{3}"), ("3\\sqrt[3]{2}", "\\sqrt[3]{18}"),
+    ("\\sqrt[3]{2}+\\sqrt[3]{3}", "\\sqrt[3]{5}"),
+    ("\\sqrt{x^2}", "x"), ("\\sqrt[4]{x^4}", "x"), ("i^{1/2}", "i"),
+    ("0.666\\ldots", "0.666"), ("0.666\\ldots", "\\frac{333}{500}"), ("3.14\\ldots", "\\pi"),
+    ("0.12\\ldots", "\\frac{4}{33}"),
+    ("\\textbf{(C) } 7", "(D)"), ("\\textbf{(C) } 7", "8"),
+    ("cats", "dog"), ("yes", "ye"), ("the dog", "a cat"), ("111", "110_2"), ("110_3", "110_2"), ("6", "110_2"),
+    ("½", "2"), ("x²", "2x"), ("1, 2, and 3", "1, 2"), ("2 and -3", "5"), ("3 seven", "37"),
+    ("(a)+b", "a"), ("(b)^2", "b"), ("x_{1}", "x"), ("(-4)^{3/2}", "8i"), ("10_{2}", "2"),  # look-alikes of the rules
+]
+
+
+@pytest.mark.parametrize("pred,gold", FORMS_TRUE)
+def test_grader_forms_true(pred, gold):
+    assert is_equiv(pred, gold) and is_equiv(gold, pred)
+
+
+@pytest.mark.parametrize("pred,gold", FORMS_FALSE)
+def test_grader_forms_false(pred, gold):
+    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+
+
+HUGE_TRUE = [  # past the size bounds, but decidable cheaply: identical forms, digits, exponent arithmetic
+    ("9" * 3000, "9" * 3000), ("9" * 400, "9" * 400 + ".0"), ("1" * 350 + ".50", "0" + "1" * 350 + ".5"),
+    ("2^{2^{100}}", "2^{1267650600228229401496703205376}"), ("2^{2^{100}}", "4^{2^{99}}"),
+    ("\\frac{2^{2^{100}}}{2^{2^{100}}}", "1"), ("(3^{10^{30}})^{2}", "9^{10^{30}}"),
+    ("6^{2^{64}}", "2^{2^{64}} \\cdot 3^{2^{64}}"),
+    ("\\frac{1}{" * 300 + "2" + "}" * 300, "2"), ("\\frac{1}{" * 301 + "2" + "}" * 301, "0.5"),
+]
+HUGE_FALSE = [
+    ("9" * 3000, "9" * 2999 + "8"), ("9" * 400, "9" * 400 + ".1"),
+    ("2^{2^{100}}", "2^{1267650600228229401496703205377}"),
+    ("\\frac{2^{2^{100}}}{2^{2^{100}}}", "2"), ("2^{2^{100}}+1", "2^{2^{100}}"), ("-2^{2^{100}}", "2^{2^{100}}"),
+    ("\\frac{1}{" * 300 + "2" + "}" * 300, "\\frac12"), ("2^{2^{5000}}", "2^{2^{5000}}\\cdot 1"),  # past MAX_BITS twice
+]
+
+
+FIB = [0, 1]
+for _ in range(90):
+    FIB.append(FIB[-1] + FIB[-2])
+HUGE_TRUE.append(("1+\\frac{1}{" * 80 + "1" + "}" * 80, f"{FIB[82]}/{FIB[81]}"))  # a continued fraction, by a loop
+
+
+@pytest.mark.parametrize("pred,gold", HUGE_TRUE)
+def test_huge_exact_answers_decided(pred, gold):
+    start = time.perf_counter()
+    assert is_equiv(pred, gold) and is_equiv(gold, pred)
+    assert time.perf_counter() - start < 0.2  # a few ms alone; generous for a shared CI machine
+
+
+@pytest.mark.parametrize("pred,gold", HUGE_FALSE)
+def test_huge_exact_near_misses(pred, gold):
+    start = time.perf_counter()
+    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+    assert time.perf_counter() - start < 0.2
 
 
 FORMAT = [

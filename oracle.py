@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 from torch.func import vmap
 
+import credit
 import grpo
 
 EOS, V = 0, 3  # tokens: 0 = EOS, 1 = a, 2 = b
@@ -103,7 +104,7 @@ def batch_loss(spec, group, lp, old, samp, ref, mask, r, ent):
         adv = -torch.where(mask, old - ref, 0.0).flip(-1).cumsum(-1).flip(-1)
     else:
         adv = r if spec["adv"] == "raw" else 0 * r if spec["adv"] == "zero" else \
-            grpo.group_advantages(r, group, spec["adv"], lengths=mask.sum(1)).to(lp.dtype)
+            credit.group_advantages(r, group, spec["adv"], lengths=mask.sum(1)).to(lp.dtype)
     w = None
     if "tis" in spec:
         w = grpo.tis_weights(old, samp, mask, spec["tis"], spec.get("mode", "truncate"), spec["cap"])[0].to(lp.dtype)

@@ -4,7 +4,7 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
   1. draw P prompts q; sample G completions o_1..o_G ~ π_θ(·|q) each (sample_groups, per-row seeds);
   2. reward r_i = accuracy (verify.py) + format weight + DAPO overlong shaping (shaped_rewards); DAPO dynamic
      sampling drops groups with zero reward spread and draws more prompts until P informative groups are held;
-  3. advantages Â_i from the group (grpo.group_advantages); π_old = the policy before this step's update;
+  3. advantages Â_i from the group (credit.group_advantages); π_old = the policy before this step's update;
   4. μ inner epochs: loss = grpo.policy_loss(log π_θ, log π_old, Â, mask, ε_low, ε_high, log π_ref, β, agg),
      accumulated over micro-batches sized by a token budget (micro_batches) and normalised by the GLOBAL token /
      sequence count, so any rank or micro-batch split gives the same gradient; clip grad norm; AdamW; warmup + cosine.
@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 import cli
+import credit
 import grpo
 import infra
 import tasks
@@ -139,7 +140,7 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
-        "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES,
@@ -273,7 +274,7 @@ def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     if cfg.format_weight:
         r = [x + cfg.format_weight * verify.format_reward(t) for x, t in zip(r, g.texts)]
     if cfg.overlong_buffer:
-        pen = grpo.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer)
+        pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer)
         r = [x + p for x, p in zip(r, pen.tolist())]
     return r
 
@@ -401,15 +402,15 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
 
 # ==================================================================================================== RL
 def advantages(run: Run, groups: list[Group]) -> torch.Tensor:
-    """Â [N] of the global batch (grpo.group_advantages; REINFORCE++ whitens over its loss tokens), or with
-    reward = "process" Â [N, L] (DeepSeekMath §4.1.3, grpo.process_advantages): each arithmetic step's reward
+    """Â [N] of the global batch (credit.group_advantages; REINFORCE++ whitens over its loss tokens), or with
+    reward = "process" Â [N, L] (DeepSeekMath §4.1.3, credit.process_advantages): each arithmetic step's reward
     (1 right, 0 wrong: verify.step_rewards) at the step's last token, the shaped outcome reward at the last."""
     cfg = run.cfg
     rewards = torch.tensor([r for g in groups for r in g.rewards])
     if cfg.reward == "outcome":
         lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
                                 for c, cut in zip(g.comps, g.truncated)])
-        return grpo.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
+        return credit.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
     steps = []
     for g in groups:
         for comp, text, r in zip(g.comps, g.texts, g.rewards):
@@ -419,7 +420,7 @@ def advantages(run: Run, groups: list[Group]) -> torch.Tensor:
     rew, end = (pad_batch([[s[j] for s in row] for row in steps], 0, dtype) for j, dtype in ((0, torch.float32),
                                                                                                (1, torch.long)))
     valid = pad_batch([[True] * len(row) for row in steps], False, torch.bool)
-    return grpo.process_advantages(rew, end, valid, cfg.group_size, max(len(c) for g in groups for c in g.comps))
+    return credit.process_advantages(rew, end, valid, cfg.group_size, max(len(c) for g in groups for c in g.comps))
 
 
 def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import credit
 import grpo
 
 AGGS = grpo.AGGS
@@ -45,91 +46,22 @@ def slow_loss(logp, old, ref, mask, adv, eps_low, eps_high, beta, agg, max_len=N
     return sum(all_tok) / (n * (max_len or length))
 
 
-# ---------------------------------------------------------------- advantages
+# ---------------------------------------------------------------- process supervision
 
-def test_worked_example_advantages():
-    for r in ([1.0, 0, 0, 1], [0.0, 0, 1, 1]):
-        a = grpo.group_advantages(torch.tensor(r), 4, eps=1e-8)
-        expect = [0.8660254 if x == 1 else -0.8660254 for x in r]
-        torch.testing.assert_close(a, torch.tensor(expect), rtol=0, atol=1e-6)
-    # two prompts in one batch, prompt-major
-    a = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1]), 4, eps=1e-8)
-    torch.testing.assert_close(a.abs(), torch.full((8,), 0.8660254), rtol=0, atol=1e-6)
-
-
-def test_scale_batch_and_none_by_hand():
-    r = torch.tensor([1.0, 0.0, 0.0, 0.0])  # groups [1, 0] and [0, 0], G = 2
-    none = grpo.group_advantages(r, 2, scale="none")
-    assert none.tolist() == [0.5, -0.5, 0.0, 0.0]
-    # batch std (Bessel) of [1, 0, 0, 0] = sqrt(0.75 / 3) = 0.5
-    batch = grpo.group_advantages(r, 2, scale="batch", eps=0.0)
-    torch.testing.assert_close(batch, torch.tensor([1.0, -1.0, 0.0, 0.0]))
-    # group std of [1, 0] = sqrt(0.5)
-    group = grpo.group_advantages(r, 2, eps=0.0)
-    torch.testing.assert_close(group, torch.tensor([0.5, -0.5, 0, 0]) / math.sqrt(0.5))
-
+# ---------------------------------------------------------------- clipped surrogate
 
 def test_equal_groups_zero_advantage_and_finite_loss():
     r = torch.tensor([0.1, 0.1, 0.1, 1.0, 1.0, 1.0])
     for scale in ("group", "batch", "none"):
-        assert torch.equal(grpo.group_advantages(r, 3, scale=scale), torch.zeros(6))
-        assert torch.equal(grpo.group_advantages(r, 1, scale=scale), torch.zeros(6))  # G = 1
-    assert torch.equal(grpo.group_advantages(torch.tensor([2.0]), 1, scale="batch"), torch.zeros(1))
+        assert torch.equal(credit.group_advantages(r, 3, scale=scale), torch.zeros(6))
+        assert torch.equal(credit.group_advantages(r, 1, scale=scale), torch.zeros(6))  # G = 1
+    assert torch.equal(credit.group_advantages(torch.tensor([2.0]), 1, scale="batch"), torch.zeros(1))
     logp, old, ref, mask, _ = ragged_batch()
-    adv = grpo.group_advantages(r, 3).double()
+    adv = credit.group_advantages(r, 3).double()
     for agg in AGGS:
         loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, agg=agg)
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
 
-
-def test_keep_groups():
-    r = torch.tensor([0.0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0])  # none, some, all, some correct
-    assert grpo.keep_groups(r, 3).tolist() == [False, True, False, True]
-
-
-def test_overlong_penalty_boundaries():
-    lengths = torch.tensor([0, 12, 16, 17, 18, 20, 21, 100])  # max_len 20, cache 4: ramp over (16, 20]
-    got = grpo.overlong_penalty(lengths, max_len=20, cache_len=4)
-    torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
-    # no cache: a hard cut at max_len
-    assert grpo.overlong_penalty(torch.tensor([20, 21]), 20, 0).tolist() == [0.0, -1.0]
-
-
-# ---------------------------------------------------------------- process supervision
-
-def test_process_advantages_hand_example():
-    # one prompt, G = 2, L = 5; row 0 has steps ending at tokens 1 and 3, row 1 one step ending at 2
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 9.0]])
-    ends = torch.tensor([[1, 3], [2, 0]])
-    smask = torch.tensor([[True, True], [True, False]])
-    got = grpo.process_advantages(rewards, ends, smask, group_size=2, length=5, eps=0.0)
-    # steps {1, 0, 0}: mean 1/3, Bessel std sqrt(1/3) -> normalised 2/sqrt(3) and -1/sqrt(3)
-    hi, lo = 2 / math.sqrt(3), -1 / math.sqrt(3)
-    expect = torch.tensor([[hi + lo, hi + lo, lo, lo, 0.0], [lo, lo, lo, 0.0, 0.0]])
-    torch.testing.assert_close(got, expect)
-
-
-def test_process_advantages_naive_loop():
-    g = torch.Generator().manual_seed(1)
-    n, k, length, group = 6, 4, 9, 3
-    rewards = torch.randn(n, k, generator=g)
-    ends = torch.randint(0, length + 2, (n, k), generator=g)  # some ends past L: they cover every token
-    smask = torch.rand(n, k, generator=g) > 0.3
-    got = grpo.process_advantages(rewards, ends, smask, group, length, eps=1e-4)
-    expect = torch.zeros(n, length)
-    for p in range(n // group):
-        rows = range(p * group, (p + 1) * group)
-        vals = [float(rewards[i, j]) for i in rows for j in range(k) if smask[i, j]]
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        for i in rows:
-            for t in range(length):
-                expect[i, t] = sum((float(rewards[i, j]) - mean) / (std + 1e-4)
-                                   for j in range(k) if smask[i, j] and ends[i, j] >= t)
-    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------- clipped surrogate
 
 def one_token(ratios, adv, **kw):
     # one valid token per row, logp chosen so that exp(logp - old) is the given ratio
@@ -305,11 +237,11 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="seq_mean"):
         grpo.policy_loss(logp, old, adv, mask, agg="seq_mean")
     with pytest.raises(ValueError, match="'std'"):
-        grpo.group_advantages(torch.zeros(4), 2, scale="std")
+        credit.group_advantages(torch.zeros(4), 2, scale="std")
     with pytest.raises(ValueError, match="not divisible"):
-        grpo.group_advantages(torch.zeros(5), 2)
+        credit.group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="rewards must be 1-d"):
-        grpo.keep_groups(torch.zeros(2, 2), 2)
+        credit.keep_groups(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="old_logp"):
         grpo.policy_loss(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="mask"):
@@ -327,46 +259,13 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="ref_logits"):
         grpo.exact_kl(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="cache_len"):
-        grpo.overlong_penalty(torch.zeros(2), 10, 11)
+        credit.overlong_penalty(torch.zeros(2), 10, 11)
     with pytest.raises(ValueError, match="group_size"):
-        grpo.process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
+        credit.process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
                                 torch.ones(3, 2, dtype=torch.bool), 2, 5)
 
 
 # ---------------------------------------------------------------- newer objectives: RLOO, REINFORCE++
-
-def test_rloo_advantages_loop_and_edges():
-    g = torch.Generator().manual_seed(5)
-    for group in (2, 3, 5):
-        r = torch.randint(0, 3, (4 * group,), generator=g).float()
-        r[:group] = 1.0  # one zero-spread group
-        got = grpo.group_advantages(r, group, scale="rloo")
-        for i in range(len(r)):
-            others = [float(r[j]) for j in range(len(r)) if j // group == i // group and j != i]
-            assert got[i].item() == pytest.approx(float(r[i]) - sum(others) / len(others), abs=1e-6)
-        assert torch.equal(got[:group], torch.zeros(group))  # exact zeros, not ulps
-    assert grpo.group_advantages(torch.tensor([1.0, 0.0]), 2, scale="rloo").tolist() == [1.0, -1.0]
-    assert torch.equal(grpo.group_advantages(torch.tensor([1.0, 0.0, 3.0]), 1, scale="rloo"), torch.zeros(3))
-
-
-def test_reinforce_pp_advantages_token_weighted_loop():
-    g = torch.Generator().manual_seed(6)
-    r = torch.randint(0, 2, (12,), generator=g).float()
-    r[4:8] = 1.0  # a zero-spread group: 0 after the baseline, −mean/std after the batch whitening
-    lengths = torch.randint(0, 9, (12,), generator=g)
-    lengths[3] = 0  # an all-padding row carries no token, so it does not move the batch statistics
-    got = grpo.group_advantages(r, 4, scale="reinforce_pp", lengths=lengths, eps=0.0)
-    centred = [float(r[i]) - sum(float(r[j]) for j in range(12) if j // 4 == i // 4) / 4 for i in range(12)]
-    tokens = [centred[i] for i in range(12) for _ in range(int(lengths[i]))]  # one entry per token
-    mean = sum(tokens) / len(tokens)
-    std = math.sqrt(sum((a - mean) ** 2 for a in tokens) / len(tokens))
-    torch.testing.assert_close(got, torch.tensor([(a - mean) / std for a in centred]))
-    # every group zero-spread: exact zeros, not 0/0
-    same = grpo.group_advantages(torch.ones(8), 4, scale="reinforce_pp", lengths=torch.full((8,), 3))
-    assert torch.equal(same, torch.zeros(8))
-    with pytest.raises(ValueError, match="lengths"):
-        grpo.group_advantages(r, 4, scale="reinforce_pp")
-
 
 # ---------------------------------------------------------------- GSPO, CISPO, dual-clip, k1/k2/k3, pg_weight
 
@@ -603,7 +502,7 @@ def test_new_options_bad_input_raises():
     with pytest.raises(ValueError, match="pg_weight"):
         grpo.policy_loss(logp, old, adv, mask, pg_weight=mask[:, :3])
     with pytest.raises(ValueError, match="'reinforce'"):
-        grpo.group_advantages(torch.zeros(4), 2, scale="reinforce")
+        credit.group_advantages(torch.zeros(4), 2, scale="reinforce")
     with pytest.raises(ValueError, match="cap 0.5"):
         grpo.tis_weights(old, old, mask, cap=0.5)
     with pytest.raises(ValueError, match="mode 'clip'"):

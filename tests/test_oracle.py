@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import credit
 import grpo
 import oracle
 
@@ -68,7 +69,7 @@ def test_surrogates_at_ratio_one_are_the_plain_policy_gradient(task, kw):
     prompt, comp, weight, _, scale = oracle.exact_batches(task, task.theta, group)
     th = task.theta.clone().requires_grad_()
     logp = oracle.token_logp(th, task)[prompt, comp]  # [B, G, H]
-    adv = grpo.group_advantages(task.reward[prompt, comp].reshape(-1), group).view(-1, group).double()
+    adv = credit.group_advantages(task.reward[prompt, comp].reshape(-1), group).view(-1, group).double()
     per_row = logp.sum(-1) / task.mask[comp].sum(-1)  # 1/|o_i| Σ_t log π
     surrogate = (scale * weight * (adv * per_row).mean(1)).sum()
     expect, = torch.autograd.grad(surrogate, th)

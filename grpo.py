@@ -199,7 +199,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         surr = torch.where(high | low, 0.0, ratio.detach().clamp(max=20.0) * adv * score)
     elif pg_loss == "sapo":
         # soft gate 4/τ σ(τ(ρ − 1)); |log ρ| ≤ 20 keeps exp finite where σ' is already 0
-        tau = torch.where(adv > 0, tau_pos, tau_neg).to(logp.dtype)
+        tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # in Â's dtype (float64 stays exact)
         surr = 4 / tau * torch.sigmoid(tau * (log_ratio.clamp(-20, 20).exp() - 1)) * adv
     elif pg_loss == "gmpo":
         sgn = adv.sign()

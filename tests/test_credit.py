@@ -107,3 +107,34 @@ def test_reinforce_pp_advantages_token_weighted_loop():
         credit.group_advantages(r, 4, scale="reinforce_pp")
 
 
+
+
+# ---------------------------------------------------------------- MaxRL, KL in the reward
+
+def test_maxrl_advantages_by_hand_and_loop():
+    # group 1: 1 of 4 right (p̂ = 1/4) → (1 − 1/4)/(1/4) = 3 and −1; group 2: 3 of 4 (p̂ = 3/4) → 1/3 and −1;
+    # group 3: none right → 0 (the estimator 1/K Σ_{r=1} ∇log π is 0 there); group 4: all right → 0
+    r = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1])
+    got = credit.group_advantages(r, 4, scale="maxrl", eps=0.0)
+    expect = [3, -1, -1, -1, 1 / 3, 1 / 3, -1, 1 / 3] + [0] * 8
+    torch.testing.assert_close(got, torch.tensor(expect, dtype=torch.float32))
+    # the sum over a 0/1 group is G/K Σ_{right} − G = 0 and Σ_i Â_i ∇ equals G·(1/K Σ_right ∇ − 1/G Σ_all ∇)
+    g = torch.Generator().manual_seed(3)
+    r = (torch.rand(40, generator=g) < 0.3).float()
+    got = credit.group_advantages(r, 8, scale="maxrl", eps=0.0).view(5, 8)
+    for row, a in zip(r.view(5, 8), got):
+        k = int(row.sum())
+        want = [0.0] * 8 if k in (0, 8) else [8 / k * float(x) - 1 for x in row]
+        torch.testing.assert_close(a, torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
+def test_kl_reward_by_hand():
+    # row 0: k1 = (−1 − (−2)) + (−0.5 − (−0.25)) = 0.75 → 1 − 0.1·0.75; row 1's padding token (garbage) is ignored
+    old = torch.tensor([[-1.0, -0.5], [-0.3, 99.0]])
+    ref = torch.tensor([[-2.0, -0.25], [-0.1, -5.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    got = credit.kl_reward(torch.tensor([1.0, 0.0]), old.requires_grad_(), ref, mask, beta=0.1)
+    torch.testing.assert_close(got, torch.tensor([1 - 0.075, -0.1 * -0.2]))
+    assert not got.requires_grad
+    with pytest.raises(ValueError, match="need rewards"):
+        credit.kl_reward(torch.zeros(3), old, ref, mask, 0.1)

@@ -317,6 +317,10 @@ OPTIONS = [dict(ratio_level="sequence"), dict(ratio_level="sequence", eps_low=3e
            dict(dual_clip=1.5), dict(kl="k1", beta=0.1), dict(kl="k2", beta=0.1), dict(kl="k3", beta=0.1),
            dict(weight=True, eps_high=0.28),
            dict(pg_loss="cispo", ratio_level="sequence", beta=0.05, kl="k2", weight=True)]
+OPTIONS_2026 = [dict(pg_loss="dppo_tv", eps_low=0.05, eps_high=0.05), dict(pg_loss="dppo_kl", eps_low=0.02, eps_high=0.02),
+                dict(pg_loss="sapo"), dict(pg_loss="sapo", tau_pos=0.5, tau_neg=3.0), dict(pg_loss="gmpo", eps_low=0.4,
+                eps_high=0.4), dict(pg_loss="gmpo", eps_low=0.1, eps_high=0.2), dict(kl_old=0.3, abs_kl=True),
+                dict(pg_loss="dppo_tv", eps_low=0.1, eps_high=0.1, kl_old=0.1, weight=True)]
 
 
 def weights_for(mask, seed=7):
@@ -329,6 +333,7 @@ def grpo_kwargs(opts, mask):
     kw = {k: v for k, v in opts.items() if k not in ("kl", "weight")}
     kw["kl_estimator"] = opts.get("kl", "k3")
     kw["pg_weight"] = weights_for(mask) if opts.get("weight") else None
+    kw["abs_kl"] = weights_for(mask, seed=11) * 0.5 if opts.get("abs_kl") else None  # KL-Cov's β on some tokens
     return kw
 
 
@@ -450,7 +455,7 @@ def test_entropy_threshold_ties_and_loop():
 # ---------------------------------------------------------------- partition invariance
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("opts", OPTIONS + [dict(tis="sequence", entropy_q=0.5)], ids=lambda o: "-".join(
+@pytest.mark.parametrize("opts", OPTIONS + OPTIONS_2026 + [dict(tis="sequence", entropy_q=0.5)], ids=lambda o: "-".join(
     f"{k}={v}" for k, v in o.items()))
 def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
     """Micro-batches [0:2] [2:3] [3:6], and 2 "ranks" (rows 0-2 and 3-5, each in 2 micro-batches): the summed
@@ -462,6 +467,7 @@ def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
     ent = torch.rand(6, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64).round(decimals=1)
     kw = grpo_kwargs({k: v for k, v in opts.items() if k not in ("tis", "entropy_q")}, mask)
     full_w = kw.pop("pg_weight")
+    full_k = kw.pop("abs_kl")
     tau = grpo.entropy_threshold(torch.cat([ent[:3][mask[:3]], ent[3:][mask[3:]]]), opts.get("entropy_q", 1.0))
 
     def run(parts):
@@ -474,7 +480,8 @@ def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
                 w = grpo.tis_weights(old[s], sampler[s], mask[s], opts["tis"], "truncate", 2.0)[0].double()
                 w = w * grpo.top_entropy_mask(ent[s], mask[s], tau)
             part, _ = grpo.policy_loss(leaf[s], old[s], adv[s], mask[s], ref_logp=ref[s], agg=agg, max_len=11,
-                                       loss_scale=scale if len(parts) > 1 else None, pg_weight=w, **kw)
+                                       loss_scale=scale if len(parts) > 1 else None, pg_weight=w,
+                                       abs_kl=None if full_k is None else full_k[s], **kw)
             part.backward()
             total = total + part.detach()
         return total, leaf.grad
@@ -509,3 +516,169 @@ def test_new_options_bad_input_raises():
         grpo.tis_weights(old, old, mask, mode="clip")
     with pytest.raises(ValueError, match="sampler_logp"):
         grpo.tis_weights(old, old[:, :3], mask)
+
+
+# ---------------------------------------------------------------- 2026 objectives: DPPO, SAPO, GMPO, kl_old, KL-Cov
+
+def loop_2026(logp, old, mask, adv, pg_loss, eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=1.05, kl_old=0.0,
+              abs_kl=None, weight=None, agg="seq_mean_token_mean", max_len=None):
+    """A per-token loop on 0-d float64 tensors, from the papers' forms; returns (loss for the gradient, value).
+    DPPO: −M sg(min(ρ, 20)) Â log π (value −M sg(min(ρ, 20)) Â); SAPO: −4/τ σ(τ(ρ − 1)) Â; GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|)
+    with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on each of the row's tokens."""
+    n, length = logp.shape
+    rows, toks, rows_v, toks_v = [], [], [], []
+    for i in range(n):
+        ts = [t for t in range(length) if mask[i, t]]
+        a = adv[i]
+        if pg_loss == "gmpo":
+            logs = []
+            for t in ts:
+                x = logp[i, t] - old[i, t]
+                c = torch.clamp(x, -eps_low, eps_high)
+                logs.append(torch.minimum(x, c) if a > 0 else torch.maximum(x, c) if a < 0 else 0 * x)
+            geo = torch.exp(sum(logs) / len(ts)) if ts else None
+        row, row_v = [], []
+        for t in ts:
+            r = torch.exp(logp[i, t] - old[i, t])
+            if pg_loss in ("dppo_tv", "dppo_kl"):
+                p, q = math.exp(logp[i, t].item()), math.exp(old[i, t].item())
+                if pg_loss == "dppo_tv":
+                    out = p - q > eps_high if a > 0 else p - q < -eps_low
+                else:
+                    bkl = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+                    out = (p > q and bkl > eps_high) if a > 0 else (p < q and bkl > eps_low)
+                w = 0.0 if out else min(float(r), 20.0)
+                sur, sur_v = w * a * logp[i, t], (w * a).detach()
+            elif pg_loss == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                sur = sur_v = 4 / tau * torch.sigmoid(tau * (r - 1)) * a
+            elif pg_loss == "gmpo":
+                sur = sur_v = a * geo
+            else:
+                sur = sur_v = torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+            wt = 1.0 if weight is None else float(weight[i, t])
+            extra = kl_old * (logp[i, t] - old[i, t]) ** 2 / 2
+            if abs_kl is not None:
+                extra = extra + float(abs_kl[i, t]) * torch.abs(logp[i, t] - old[i, t])
+            row.append(-wt * sur + extra)
+            row_v.append(-wt * sur_v + extra)
+        for out_, lst in ((rows, row), (rows_v, row_v)):
+            if lst:
+                out_.append(sum(lst) / len(lst))
+        toks += row
+        toks_v += row_v
+
+    def agg_of(r, t):
+        if agg == "token_mean":
+            return sum(t) / len(t)
+        if agg == "seq_mean_token_mean":
+            return sum(r) / len(r)
+        return sum(t) / (n * (max_len or length))
+    return agg_of(rows, toks), agg_of(rows_v, toks_v)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("opts", OPTIONS_2026, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_2026_objectives_match_loop(agg, opts):
+    logp, old, ref, mask, adv = ragged_batch()
+    old = logp + 2 * (old - logp)  # ratios in [0.5, 6.6]: every trust region binds somewhere
+    logp.requires_grad_()
+    kw = grpo_kwargs(opts, mask)
+    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    g_got, = torch.autograd.grad(loss, logp)
+    lkw = {k: v for k, v in opts.items() if k not in ("weight", "abs_kl", "pg_loss")}
+    for_grad, value = loop_2026(logp, old, mask, adv, opts.get("pg_loss", "clip"), weight=kw["pg_weight"],
+                                abs_kl=kw["abs_kl"], agg=agg, max_len=11, **lkw)
+    g_ref, = torch.autograd.grad(for_grad, logp)
+    assert loss.item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-10, atol=1e-14)
+    assert torch.isfinite(g_got).all() and (g_got[~mask] == 0).all() and g_got.abs().sum() > 0
+    bad = logp.detach().masked_fill(~mask, -math.inf).requires_grad_()  # garbage under the padding is inert
+    loss_bad, _ = grpo.policy_loss(bad, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    torch.testing.assert_close(loss_bad, loss.detach())
+    torch.testing.assert_close(torch.autograd.grad(loss_bad, bad)[0], g_got)
+    if opts.get("pg_loss", "").startswith(("dppo", "gmpo")):
+        assert 0 < m["clip_low"] + m["clip_high"] < 1  # the trust region masks some tokens, not all
+
+
+def test_2026_objectives_by_hand():
+    f64 = dict(dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # DPPO-TV, δ = 0.1: π_old 0.5 → π_θ 0.7 (+0.2, out for Â > 0: no gradient) and 0.5 → 0.55 (+0.05, kept):
+    # the kept token's gradient is −sg(ρ)·Â/2 = −1.1/2 with token_mean; value −(0 + 1.1)/2
+    old = torch.tensor([[0.5, 0.5]], **f64).log()
+    logp = torch.tensor([[0.7, 0.55]], **f64).log().requires_grad_()
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+                               pg_loss="dppo_tv")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.1 / 2) and m["clip_high"] == 0.5 and m["clip_low"] == 0
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 / 2]], **f64))
+    # the same move with Â < 0 is kept (it pushes π_θ back): both tokens have gradient ρ·|Â|/2
+    logp.grad = None
+    grpo.policy_loss(logp, old, torch.tensor([-1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+                     pg_loss="dppo_tv")[0].backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.4 / 2, 1.1 / 2]], **f64))
+    # DPPO-KL, δ = 0.05: binary KL of 0.5 → 0.7 is 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 > δ (masked);
+    # 0.5 → 0.55: 0.00501 < δ (kept)
+    logp.grad = None
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.05, 0.05, agg="token_mean",
+                               pg_loss="dppo_kl")
+    assert m["clip_high"] == 0.5 and loss.item() == pytest.approx(-1.1 / 2)
+    # SAPO at ρ = 1: value 4/τ · ½ · Â = 2Â/τ, gradient exactly Â (4σ(1 − σ) = 1); τ_pos for Â > 0, τ_neg else
+    zeros = torch.zeros(1, 2, **f64)
+    lp = zeros.clone().requires_grad_()
+    loss, _ = grpo.policy_loss(lp, zeros, torch.tensor([[2.0, -1.0]], **f64), mask, agg="token_mean",
+                               pg_loss="sapo", tau_pos=0.5, tau_neg=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2 * 2 / 0.5 + 2 * -1 / 2.0) / 2)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1.0, 0.5]], **f64))
+    # GMPO, ε = 0.4, Â = 1: log-ratios 0.1 and 0.6 (clipped to 0.4) → value e^((0.1 + 0.4)/2) = e^0.25; only the
+    # unclipped token carries the gradient, −e^0.25/2
+    lp = torch.tensor([[0.1, 0.6]], **f64).requires_grad_()
+    loss, m = grpo.policy_loss(lp, zeros, torch.tensor([1.0], **f64), mask, 0.4, 0.4, pg_loss="gmpo")
+    loss.backward()
+    assert loss.item() == pytest.approx(-math.exp(0.25)) and m["clip_high"] == 0.5
+    torch.testing.assert_close(lp.grad, torch.tensor([[-math.exp(0.25) / 2, 0.0]], **f64))
+    # kl_old = 1 and abs_kl = 2 at log-ratio 0.3 with Â = 0: value 0.3²/2 + 2·0.3, gradient 0.3 + 2
+    lp = torch.tensor([[0.3]], **f64).requires_grad_()
+    loss, _ = grpo.policy_loss(lp, zeros[:, :1], torch.zeros(1, **f64), mask[:, :1], kl_old=1.0,
+                               abs_kl=torch.full((1, 1), 2.0, **f64))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.045 + 0.6) and lp.grad.item() == pytest.approx(2.3)
+    with pytest.raises(ValueError, match="gmpo takes token ratios"):
+        grpo.policy_loss(lp, zeros[:, :1], torch.zeros(1, **f64), mask[:, :1], pg_loss="gmpo", ratio_level="sequence")
+
+
+def test_cov_select_by_hand_and_loop():
+    # 4 valid tokens (one row padded): Â = [1, 1, −1, −1] centred is itself, log π_old = [−1, −3, −1, −3] centred
+    # [1, −1, 1, −1] → cov = [1, −1, −1, 1]; KL-Cov's top half is tokens 0 and 3 (ties: the earlier first)
+    old = torch.tensor([[-1.0, -3.0, 9.0], [-1.0, -3.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = torch.tensor([1.0, -1.0])
+    assert grpo.cov_select(old, adv, mask, "kl", 0.5).tolist() == [[True, False, False], [False, True, False]]
+    assert grpo.cov_select(old, adv, mask, "kl", 0.25).tolist() == [[True, False, False], [False, False, False]]
+    # Clip-Cov, band (0.5, 2): candidates 0 and 3; frac 0.25 draws one of them, never a token outside the band
+    for seed in range(6):
+        got = grpo.cov_select(old, adv, mask, "clip", 0.25, 0.5, 2.0, torch.Generator().manual_seed(seed))
+        assert got.sum() == 1 and (got[0, 0] or got[1, 1]) and not got[~mask].any()
+    assert grpo.cov_select(old, adv, mask, "clip", 1.0, 0.5, 2.0).sum() == 2  # k = 4 > 2 candidates: both
+    assert not grpo.cov_select(old, adv, mask, "clip", 1.0, 5.0, 9.0).any()  # nobody in the band
+    # against a loop on a random batch: the k largest covariances
+    logp, _, _, valid, a = ragged_batch()
+    toks = [(i, t) for i in range(6) for t in range(7) if valid[i, t]]
+    ma = sum(float(a[i]) for i, _ in toks) / len(toks)
+    ml = sum(float(logp[i, t]) for i, t in toks) / len(toks)
+    cov = {(i, t): (float(a[i]) - ma) * (float(logp[i, t]) - ml) for i, t in toks}
+    top = sorted(toks, key=lambda x: -cov[x])[:int(0.2 * len(toks))]
+    got = grpo.cov_select(logp, a, valid, "kl", 0.2)
+    assert sorted(map(tuple, got.nonzero().tolist())) == sorted(top)
+    with pytest.raises(ValueError, match="cov mode"):
+        grpo.cov_select(logp, a, valid, "top", 0.2)
+
+
+def test_entropy_threshold_keeps_the_input_dtype():
+    # float64 entropies tied at 0.1: a float32 τ (0.10000000149) would sit above them and drop the tie
+    h = torch.tensor([0.3, 0.1, 0.1, 0.0], dtype=torch.float64)
+    tau = grpo.entropy_threshold(h, 0.5)
+    assert tau.dtype == torch.float64 and tau.item() == 0.1
+    assert grpo.top_entropy_mask(h[None], torch.ones(1, 4), tau).sum() == 3

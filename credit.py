@@ -44,10 +44,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
                      lengths: Optional[torch.Tensor] = None):
     """rewards [N] prompt-major -> advantages [N] (float32), the equation of `scale` in step 3 of the module
     docstring ("maxrl" expects rewards ≥ 0). lengths [N] (each row's loss tokens) only for scale="reinforce_pp";
-    pass the whole global batch, as every rank holds it, so the result is exact. There a zero-spread group's 0 becomes −mean/std after the batch whitening, as in the paper."""
+    pass the whole global batch, as every rank holds it, so the result is exact. There a zero-spread group's 0
+    becomes −mean/std after the batch whitening, as in the paper."""
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; use one of {SCALES}")
     r = _grouped(rewards, group_size)  # [P, G]
+    if scale == "maxrl" and bool((r < 0).any()):  # p̂ = mean r is a success rate: a negative one flips Â's sign
+        raise ValueError("scale='maxrl' needs rewards >= 0 (no negative shaping such as overlong_buffer)")
     adv = r - r.mean(1, keepdim=True)  # [P, G]
     if scale == "group":
         # Bessel-corrected std, as in DeepSeekMath's worked example; G = 1 has no spread, so std is 0 there

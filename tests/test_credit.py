@@ -126,6 +126,8 @@ def test_maxrl_advantages_by_hand_and_loop():
         k = int(row.sum())
         want = [0.0] * 8 if k in (0, 8) else [8 / k * float(x) - 1 for x in row]
         torch.testing.assert_close(a, torch.tensor(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="rewards >= 0"):  # an overlong penalty would flip the sign of Â
+        credit.group_advantages(torch.tensor([1.0, -0.5]), 2, scale="maxrl")
 
 
 def test_kl_reward_by_hand():

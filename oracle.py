@@ -8,12 +8,12 @@
    so ratios ≠ 1); mismatch (sampler ≠ π_old = π_θ, what truncated importance sampling corrects).
 3. Exact by enumeration: J(θ) = 1/P Σ_p Σ_y π_θ(y|p) r(p, y) and ∇J (autograd through the sum), KL(π_θ‖π_ref),
    the entropy of π_θ(y|p).
-4. An estimator is a batch loss L(b; θ) built only from grpo.py's and credit.py's functions, and ĝ(b) = −∇_θ L(b; θ).
+4. An estimator is a batch loss L(b; θ) built only from grpo.py's and credit.py's functions, ĝ(b) = −∇_θ L(b; θ).
    Exact moments where L is a mean of per-group terms (a constant normaliser): all Y^G G-tuples of each prompt,
    P(tuple) = Π_i π_sampler(y_i|p), E[ĝ] = 1/P Σ_p E_p[ĝ_p], tr Cov = 1/P² Σ_p tr Cov_p. Monte Carlo over B
    batches of P groups where the batch couples prompts (token-mean, batch std, REINFORCE++, top-entropy, Clip-Cov /
-   KL-Cov: their tokens are picked over the batch), with the standard error of 8 chunks. Per-batch gradients: ∂L/∂log π(o_t) of every token from one backward (batches
-   share no tokens), times the tabular ∇_θ log π(v | prefix) = e_v − π(· | prefix).
+   KL-Cov: their tokens are picked over the batch), with the standard error of 8 chunks. Per-batch gradients:
+   ∂L/∂log π(o_t) of every token from one backward (batches share no tokens), times the tabular ∇_θ log π(v | prefix) = e_v − π(· | prefix).
 5. KL estimators k1/k2/k3 (grpo.kl_penalty) of one completion: bias and variance of Σ_t k_t against the exact
    KL, and of its gradient as a loss term against ∇KL; and k1 in the reward instead (Â_t = −Σ_{t'≥t} k1_t').
 

@@ -13,7 +13,8 @@
    P(tuple) = Π_i π_sampler(y_i|p), E[ĝ] = 1/P Σ_p E_p[ĝ_p], tr Cov = 1/P² Σ_p tr Cov_p. Monte Carlo over B
    batches of P groups where the batch couples prompts (token-mean, batch std, REINFORCE++, top-entropy, Clip-Cov /
    KL-Cov: their tokens are picked over the batch), with the standard error of 8 chunks. Per-batch gradients:
-   ∂L/∂log π(o_t) of every token from one backward (batches share no tokens), times the tabular ∇_θ log π(v | prefix) = e_v − π(· | prefix).
+   ∂L/∂log π(o_t) of every token from one backward (batches share no tokens), times the tabular
+   ∇_θ log π(v | prefix) = e_v − π(· | prefix).
 5. KL estimators k1/k2/k3 (grpo.kl_penalty) of one completion: bias and variance of Σ_t k_t against the exact
    KL, and of its gradient as a loss term against ∇KL; and k1 in the reward instead (Â_t = −Σ_{t'≥t} k1_t').
 

@@ -317,9 +317,10 @@ OPTIONS = [dict(ratio_level="sequence"), dict(ratio_level="sequence", eps_low=3e
            dict(dual_clip=1.5), dict(kl="k1", beta=0.1), dict(kl="k2", beta=0.1), dict(kl="k3", beta=0.1),
            dict(weight=True, eps_high=0.28),
            dict(pg_loss="cispo", ratio_level="sequence", beta=0.05, kl="k2", weight=True)]
-OPTIONS_2026 = [dict(pg_loss="dppo_tv", eps_low=0.05, eps_high=0.05), dict(pg_loss="dppo_kl", eps_low=0.02, eps_high=0.02),
-                dict(pg_loss="sapo"), dict(pg_loss="sapo", tau_pos=0.5, tau_neg=3.0), dict(pg_loss="gmpo", eps_low=0.4,
-                eps_high=0.4), dict(pg_loss="gmpo", eps_low=0.1, eps_high=0.2), dict(kl_old=0.3, abs_kl=True),
+OPTIONS_2026 = [dict(pg_loss="dppo_tv", eps_low=0.05, eps_high=0.05), dict(pg_loss="dppo_kl", eps_low=0.02,
+                eps_high=0.02), dict(pg_loss="sapo"), dict(pg_loss="sapo", tau_pos=0.5, tau_neg=3.0),
+                dict(pg_loss="gmpo", eps_low=0.4, eps_high=0.4), dict(pg_loss="gmpo", eps_low=0.1, eps_high=0.2),
+                dict(kl_old=0.3, abs_kl=True),
                 dict(pg_loss="dppo_tv", eps_low=0.1, eps_high=0.1, kl_old=0.1, weight=True)]
 
 
@@ -523,8 +524,8 @@ def test_new_options_bad_input_raises():
 def loop_2026(logp, old, mask, adv, pg_loss, eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=1.05, kl_old=0.0,
               abs_kl=None, weight=None, agg="seq_mean_token_mean", max_len=None):
     """A per-token loop on 0-d float64 tensors, from the papers' forms; returns (loss for the gradient, value).
-    DPPO: −M sg(min(ρ, 20)) Â log π (value −M sg(min(ρ, 20)) Â); SAPO: −4/τ σ(τ(ρ − 1)) Â; GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|)
-    with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on each of the row's tokens."""
+    DPPO: −M sg(min(ρ, 20)) Â log π (value −M sg(min(ρ, 20)) Â); SAPO: −4/τ σ(τ(ρ − 1)) Â;
+    GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|) with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on each of the row's tokens."""
     n, length = logp.shape
     rows, toks, rows_v, toks_v = [], [], [], []
     for i in range(n):

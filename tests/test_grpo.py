@@ -525,7 +525,8 @@ def loop_2026(logp, old, mask, adv, pg_loss, eps_low=0.2, eps_high=0.2, tau_pos=
               abs_kl=None, weight=None, agg="seq_mean_token_mean", max_len=None):
     """A per-token loop on 0-d float64 tensors, from the papers' forms; returns (loss for the gradient, value).
     DPPO: −M sg(min(ρ, 20)) Â log π (value −M sg(min(ρ, 20)) Â); SAPO: −4/τ σ(τ(ρ − 1)) Â;
-    GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|) with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on each of the row's tokens."""
+    GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|) with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on
+    each of the row's tokens."""
     n, length = logp.shape
     rows, toks, rows_v, toks_v = [], [], [], []
     for i in range(n):

@@ -24,13 +24,13 @@ from credit.py (rewards, shaping, group baselines).
    dual_clip=c > 1, Ye et al. 2020 (dual-clip PPO): s_t = max(s_t, c Â_t) where Â_t < 0, bounding ρ_t's effect.
    pg_weight w_t, detached, multiplies s_t: truncated importance sampling of the sampler/trainer mismatch
      (Yao et al. 2025), w_t = min(π_old/π_sampler, C) per token or per sequence, or masked outside [1/C, C]
-     (IcePop's two-sided band, not Seq-MIS's one-sided w > C mask); the top-entropy mask (Wang et al. 2025,
+     (IcePop's two-sided band) or above C (mode "mask_high": Seq-MIS's one-sided mask at level="sequence"); the top-entropy mask (Wang et al. 2025,
      "Beyond the 80/20 rule"): w_t = 1[H_t ≥ τ], τ the top-q entropy; Clip-Cov (Cui et al. 2025, arXiv 2505.22617,
      §5): w_t = 0 on the tokens cov_select picks, by the covariance of log π_old and Â over the global batch.
 2. KL to π_ref (Schulman 2020, "Approximating KL divergence"), d_t = log π_ref(o_t) − log π_θ(o_t):
      k1 = −d_t,  k2 = d_t²/2,  k3 = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default),  ℓ_t = −s_t + β D_t.
-   Per state, E_{o~π_θ}[∇k3] = ∇KL(π_ref‖π_θ) (the reverse direction of the k3 value's KL(π_θ‖π_ref)); k1 in the
-   reward (credit.kl_reward) is the unbiased gradient of KL(π_θ‖π_ref).
+   k3's value estimates the reverse KL(π_θ‖π_ref), but per state E_{o~π_θ}[∇k3] = ∇KL(π_ref‖π_θ), the forward KL;
+   E[∇k2] = ∇KL(π_θ‖π_ref) per state; k1 in the reward (credit.kl_reward) is the exact sequence-level gradient.
    kl_old β_old: + β_old (log π_θ − log π_old)²/2, a k2 KL to the behaviour policy (DPPO's companion term);
    abs_kl κ_t (KL-Cov, Cui et al. 2025 §5): + κ_t |log ρ_t|, κ_t = β_cov on the top-covariance tokens, else 0.
 3. Aggregation (agg), the loss is −J:
@@ -50,7 +50,7 @@ import torch
 AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS, KL_ESTIMATORS = ("token", "sequence"), ("k1", "k2", "k3")
 PG_LOSSES = ("clip", "cispo", "dppo_tv", "dppo_kl", "sapo", "gmpo")
-TIS_LEVELS, TIS_MODES = ("token", "sequence"), ("truncate", "mask")
+TIS_LEVELS, TIS_MODES = ("token", "sequence"), ("truncate", "mask", "mask_high")
 Scale = Optional[Union[float, torch.Tensor]]
 
 
@@ -273,7 +273,9 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
                 mode: str = "truncate", cap: float = 2.0):
     """Truncated importance sampling of the sampler/trainer mismatch (Yao et al. 2025): detached weights
     w = π_old/π_sampler, the trainer's old log-probs over the sampler's recorded ones, per token or (level=
-    "sequence") one product per row; mode "truncate": min(w, C); "mask": w if 1/C ≤ w ≤ C, else 0.
+    "sequence") one product per row; mode "truncate": min(w, C); "mask": w if 1/C ≤ w ≤ C, else 0 (IcePop's
+    two-sided band, Ling Team 2025, "Every Step Evolves", for tokens); "mask_high": w if w ≤ C, else 0 (the one-sided
+    masked IS, Seq-MIS with level="sequence", of Liu et al. 2025, "When Speed Kills Stability").
     [N, L] thrice -> (weights [N, L] float32, 0 on padding; metrics: raw w's token mean and max, fraction cut)."""
     if level not in TIS_LEVELS or mode not in TIS_MODES or not cap >= 1:
         raise ValueError(f"tis level {level!r} / mode {mode!r} / cap {cap}: use {TIS_LEVELS} / {TIS_MODES} / >= 1")
@@ -286,7 +288,7 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
         log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
     w = log_w.exp()  # a long sequence's product can overflow to inf: truncate gives C, mask gives 0, as it should
     cut = (w > cap) | ((w < 1 / cap) & (mode == "mask"))
-    out = torch.where(valid & ~cut, w, 0.0) if mode == "mask" else torch.where(valid, w.clamp(max=cap), 0.0)
+    out = torch.where(valid & ~cut, w, 0.0) if mode != "truncate" else torch.where(valid, w.clamp(max=cap), 0.0)
     denom = valid.sum().clamp(min=1)
     metrics = {"tis_mean": torch.where(valid, w, 0.0).sum() / denom,
                "tis_max": torch.where(valid, w, 0.0).amax() if w.numel() else w.new_zeros(()),

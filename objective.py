@@ -44,7 +44,7 @@ def objective(cfg) -> str:
             "sapo": f"4/τ σ(τ({rho} − 1)) Â, τ = {cfg.tau_pos} (Â > 0) | {cfg.tau_neg}",
             "gmpo": f"Â_i Π_t clip_[e^−{lo}, e^{hi}](ρ_t)^(1/|o_i|) (sign-pessimistic)"}[cfg.pg_loss]
     term = f"max({term}, {cfg.dual_clip}·Â)_(Â<0)" if cfg.dual_clip else term
-    term = f"w^TIS_{cfg.tis} · {term}" if cfg.tis != "none" else term
+    term = f"w^TIS_{cfg.tis} ({cfg.tis_mode}, C = {cfg.tis_cap:g}) · {term}" if cfg.tis != "none" else term
     term = f"1[H_t ≥ top {cfg.top_entropy_q:g}] · {term}" if cfg.top_entropy_q < 1 else term
     term = f"1[t ∉ Clip-Cov {cfg.cov_frac:g} of cov ∈ ({cfg.cov_low:g}, {cfg.cov_high:g})] · {term}" \
         if cfg.cov == "clip" else term

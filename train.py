@@ -113,7 +113,8 @@ class Config:
     dual_clip: float = 0.0              # c > 1: bound the loss of Â < 0 at c·Â (dual-clip, Ye et al. 2020); 0: off
     kl_estimator: str = "k3"            # k1 | k2 | k3 (Schulman 2020); DeepSeekMath eq. 4 uses k3
     tis: str = "none"                   # truncated IS of sampler vs trainer log-probs (Yao et al. 2025): none |
-    tis_mode: str = "truncate"          #   token | sequence; truncate w at C, or mask w outside [1/C, C] (IcePop)
+    tis_mode: str = "truncate"          #   token | sequence; truncate w at C, mask w outside [1/C, C] (IcePop),
+                                        #   or mask_high: w > C (one-sided; Seq-MIS at tis = sequence)
     tis_cap: float = 2.0                #   C
     top_entropy_q: float = 1.0          # gradient only on the top-q entropy tokens (Wang et al. 2025); 1: all
     agg: str = "token_mean"             # seq_mean_token_mean (GRPO), token_mean (DAPO §3.3),

@@ -414,7 +414,7 @@ def test_tis_weights_loop(level, mode):
         for t in ts:
             w = seq if level == "sequence" else math.exp(float(old[i, t] - sampler[i, t]))
             out = w < 1 / cap or w > cap if mode == "mask" else w > cap
-            expect[i, t] = (0.0 if out else w) if mode == "mask" else min(w, cap)
+            expect[i, t] = min(w, cap) if mode == "truncate" else 0.0 if out else w
             raw.append(w)
             cut += out
     assert got.dtype == torch.float32 and not got.requires_grad
@@ -424,7 +424,7 @@ def test_tis_weights_loop(level, mode):
     assert m["tis_cut"].item() == pytest.approx(cut / len(raw)) and 0 < cut < len(raw)
     # a sequence's product overflowing float32: truncation gives C, the mask gives 0, never inf or NaN
     huge, _ = grpo.tis_weights(torch.full((1, 3), 50.0), torch.zeros(1, 3), torch.ones(1, 3), level, mode, cap)
-    assert torch.equal(huge, torch.full((1, 3), 0.0 if mode == "mask" else cap))
+    assert torch.equal(huge, torch.full((1, 3), cap if mode == "truncate" else 0.0))
 
 
 # ---------------------------------------------------------------- top-entropy mask

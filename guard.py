@@ -5,10 +5,10 @@ loudly (a logged loss that averages NaN steps away, while the optimizer steps on
 2. finite_everywhere: one all-reduce of the non-finite count over every rank before the optimizer step;
    train.optimizer_step skips the step on every rank when it is false or the (global) gradient norm is not finite;
 3. name_bad_rows: the console names the step, the rank and the rows of each non-finite micro-batch;
-4. count_bad_steps: main counts consecutive bad steps (train/bad_steps) and stops after max_bad_steps with an error;
-   checkpoints are written only after good steps, so the newest one on disk is good.
+4. count_bad_steps: main counts consecutive bad steps (train/bad_steps, on bad steps) and stops after
+   max_bad_steps with an error; checkpoints are written only after good steps, so the newest one on disk is good.
 
-Test: python -m pytest -q tests/test_train.py -k non_finite
+Test: python -m pytest -q tests/test_train.py -k "non_finite or nan_loss"
 """
 import math
 
@@ -37,10 +37,11 @@ def name_bad_rows(step: int, rank: int, losses: list[torch.Tensor], plan: list[l
 
 def count_bad_steps(bad_steps: int, rec: dict, step: int, max_bad_steps: int, out_dir: str) -> int:
     """The consecutive-bad-step count after this step's record (floats): 0 after a step whose loss and gradient norm
-    are finite; a RuntimeError once it reaches max_bad_steps."""
+    are finite; else the count + 1, also written into rec as train/bad_steps (only bad steps carry the key, so a
+    good step logs what it always did); a RuntimeError once it reaches max_bad_steps."""
     if math.isfinite(rec["train/loss"]) and math.isfinite(rec["train/grad_norm"]):
         return 0
-    bad_steps += 1
+    bad_steps = rec["train/bad_steps"] = bad_steps + 1
     print(f"warning: step {step}: non-finite loss or grad norm, update skipped ({bad_steps} in a row)", flush=True)
     if bad_steps >= max_bad_steps:
         raise RuntimeError(f"{bad_steps} non-finite steps in a row (the last at step {step}); the last good "

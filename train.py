@@ -574,8 +574,7 @@ def main(cfg: Config) -> dict:
         else:
             rec = rl_step(run, opt, sched, state, step)
         rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging
-        state.bad_steps = rec["train/bad_steps"] = guard.count_bad_steps(state.bad_steps, rec, step, cfg.max_bad_steps,
-                                                                         cfg.out_dir)  # guard.py: stop after k
+        state.bad_steps = guard.count_bad_steps(state.bad_steps, rec, step, cfg.max_bad_steps, cfg.out_dir)
         logger.log(step, stage, rec)
         if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and \
                 (step - cfg.sft_steps) % cfg.ref_update_every == 0:

@@ -10,8 +10,8 @@ top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, dynamic_sampling) a
      seq-mean-token-mean is not GSPO's eq. 5, and says so).
 
 old_pass scores every micro-batch under π_old (and π_ref for KL in the reward) without gradients; cov_picks gathers
-every rank's (log π_old, Â) of valid tokens in one canonical order and picks Clip-Cov's / KL-Cov's tokens
-(grpo.cov_select), so the selection does not depend on how the batch is split into micro-batches.
+every rank's (log π_old, Â) of valid tokens, puts them in (global row, position) order and picks Clip-Cov's /
+KL-Cov's tokens (grpo.cov_select), so neither the micro-batch split nor the rank count changes the selection.
 
   python -c "import train, objective; print(objective.objective(train.Config(pg_loss='sapo')))"
 """
@@ -78,16 +78,22 @@ def old_pass(run, scores, prompts: list, comps: list, plan: list[list[int]]) -> 
 
 
 def cov_picks(cfg, rank: int, pre: list[tuple], plan: list[list[int]], mask: torch.Tensor, adv: torch.Tensor,
-              step: int) -> list[torch.Tensor]:
-    """Clip-Cov / KL-Cov's tokens (grpo.cov_select) over every rank's valid tokens in one canonical order (rank,
-    micro-batch, row, position): bool [n, L] per micro-batch of this rank (mask [n + 1, L], adv [n + 1] or
-    [n + 1, L] of this rank's rows). Clip-Cov's draw is seeded by (seed, step)."""
+              step: int, ids: list[int]) -> list[torch.Tensor]:
+    """Clip-Cov / KL-Cov's tokens (grpo.cov_select) over every rank's valid tokens, ordered by (global row, position)
+    so that no rank count or micro-batch split changes the pick: bool [n, L] per micro-batch of this rank (mask
+    [n + 1, L], adv [n + 1] or [n + 1, L] of this rank's rows, ids [n] their global row indices). Clip-Cov's draw is
+    seeded by (seed, step)."""
     masks = [mask[rows, :lp.shape[1]] for (lp, _, _), rows in zip(pre, plan)]
     advs = [(adv[rows, :m.shape[1]] if adv.dim() == 2 else adv[rows, None]).expand_as(m)
             for m, rows in zip(masks, plan)]
-    parts = infra.all_gather_list([(rank, lp[m].cpu(), a[m].cpu()) for (lp, _, _), m, a in zip(pre, masks, advs)])
-    lp, a = (torch.cat([p[j] for p in parts])[None] for j in (1, 2))
-    sel = grpo.cov_select(lp, a, torch.ones_like(lp), cfg.cov, cfg.cov_frac, cfg.cov_low, cfg.cov_high,
-                          torch.Generator().manual_seed(seed_of(cfg.seed, step)))[0]
+    keys = [(torch.tensor(ids + [-1])[rows, None] * mask.shape[1] + torch.arange(m.shape[1])).expand_as(m)
+            for m, rows in zip(masks, plan)]
+    parts = infra.all_gather_list([(rank, lp[m].cpu(), a[m].cpu(), k[m.cpu()])
+                                   for (lp, _, _), m, a, k in zip(pre, masks, advs, keys)])
+    order = torch.cat([p[3] for p in parts]).argsort()  # the canonical token order
+    lp, a = (torch.cat([p[j] for p in parts])[order][None] for j in (1, 2))
+    picked = grpo.cov_select(lp, a, torch.ones_like(lp), cfg.cov, cfg.cov_frac, cfg.cov_low, cfg.cov_high,
+                             torch.Generator().manual_seed(seed_of(cfg.seed, step)))[0]
+    sel = torch.empty_like(picked).index_put_((order,), picked)  # back in gather order
     sel = [x for p, x in zip(parts, sel.split([p[1].numel() for p in parts])) if p[0] == rank]
     return [torch.zeros_like(m).masked_scatter(m, x.to(m.device)) for m, x in zip(masks, sel)]

@@ -428,6 +428,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
         return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
     # 3. this rank trains on whole groups rank, rank + world, ...; advantages over the global batch
     mine = [(k, i) for k in range(proc.rank, len(groups), proc.world) for i in range(G)]
+    ids = [k * G + i for k, i in mine]  # their global row indices
     prompts, comps = [groups[k].prompt for k, _ in mine], [groups[k].comps[i] for k, i in mine]
     mask = pad_batch([[not (cfg.mask_truncated and groups[k].truncated[i])] * len(groups[k].comps[i])
                       for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
@@ -441,13 +442,13 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     shift = torch.zeros(len(mine) + 1, device=dev)  # KL in the reward: −β Σ_t k1 of each row, in the global order
     for (lp, _, ref), rows in zip(pre, plan) if kl_in_reward else ():
         shift[rows] = credit.kl_reward(shift[rows], lp, ref, mask[rows, :lp.shape[1]], cfg.beta)
-    got = infra.all_gather_list(list(zip([k * G + i for k, i in mine], shift[:-1].tolist()))) if kl_in_reward else []
+    got = infra.all_gather_list(list(zip(ids, shift[:-1].tolist()))) if kl_in_reward else []
     adv = advantages(run, groups, torch.tensor([v for _, v in sorted(got)]) if kl_in_reward else None)   # [N] or [N, L]
-    adv = torch.cat((adv[[k * G + i for k, i in mine]], adv.new_zeros(1, *adv.shape[1:]))).to(dev)  # [n + 1, ...]
+    adv = torch.cat((adv[ids], adv.new_zeros(1, *adv.shape[1:]))).to(dev)  # [n + 1, ...]
     if cfg.top_entropy_q < 1:  # Wang et al. 2025: τ = the top-q entropy of π_old over the global batch's tokens
         ents = [ent[mask[rows, :ent.shape[1]]].cpu() for (_, ent, _), rows in zip(pre, plan)]
         tau = grpo.entropy_threshold(torch.cat(infra.all_gather_list(ents)), cfg.top_entropy_q).to(dev)
-    picks = cov_picks(cfg, proc.rank, pre, plan, mask, adv, step) if cfg.cov != "none" else []  # Cui et al. §5
+    picks = cov_picks(cfg, proc.rank, pre, plan, mask, adv, step, ids) if cfg.cov != "none" else []  # Cui et al. §5
     # 4. μ optimizer steps on this batch, each over all micro-batches
     for epoch in range(cfg.ppo_epochs):
         losses = []  # this epoch's micro-batch losses, for the NaN guard

@@ -154,7 +154,11 @@ def run_cli(args, nproc=1, timeout=300):
                        "--kl_estimator=k2"]),  # whitening over the global batch's tokens, τ over its entropies
     ("seq_mean_token_mean", 3, ["--ratio_level=sequence", "--pg_loss=clip", "--adv_scale=rloo", "--tis=token",
                                 "--tis_mode=mask", "--reward=process"]),
-    ("token_mean", 1, ["--pg_loss=cispo", "--eps_low=1.0", "--kl_estimator=k1"])])
+    ("token_mean", 1, ["--pg_loss=cispo", "--eps_low=1.0", "--kl_estimator=k1"]),
+    ("token_mean", 3, ["--pg_loss=dppo_tv", "--eps_low=0.01", "--eps_high=0.01", "--kl_old=0.1", "--kl_in=reward",
+                       "--cov=kl", "--cov_frac=0.1"]),  # KL in the reward and KL-Cov's picks over the global batch
+    ("seq_mean_token_mean", 3, ["--pg_loss=gmpo", "--eps_low=0.1", "--eps_high=0.1", "--cov=clip", "--cov_frac=0.2",
+                                "--cov_low=-100", "--cov_high=100"])])  # Clip-Cov's random draw, rank-invariant
 def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
     """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights. With P = 3
     the ranks hold 2 and 1 groups, with P = 1 rank 1 holds none and runs padding passes only."""

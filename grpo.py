@@ -8,7 +8,7 @@ from credit.py (rewards, shaping, group baselines).
    ratio_level="sequence", GSPO (Zheng et al. 2025, eq. 5): ρ_t → s_i = exp(1/|o_i| Σ_t log ρ_i,t), one ratio and
      one clip per sequence, in the paper's GSPO-token form s_i,t = sg[s_i] · π_θ(o_i,t)/sg[π_θ(o_i,t)]; it is eq. 5
      only with agg="seq_mean_token_mean" (configs/gspo.toml).
-   pg_loss="cispo", MiniMax-M1 §3.1 (eq. 4): gradient of sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) Â_t log π_θ(o_t): every
+   pg_loss="cispo", MiniMax-M1 §3.1: gradient of sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) Â_t log π_θ(o_t): every
      token keeps its gradient, only its weight is capped. Its loss VALUE is −sg(clip ρ)·Â (log π replaced by 1 + log π
      − sg(log π), value 1, same gradient), not −J_CISPO, whose log π term has no meaning as a number.
    pg_loss="dppo_tv" | "dppo_kl", DPPO (Qi et al. 2026, arXiv 2602.04879, Binary-TV / Binary-KL): gradient of
@@ -24,15 +24,16 @@ from credit.py (rewards, shaping, group baselines).
    dual_clip=c > 1, Ye et al. 2020 (dual-clip PPO): s_t = max(s_t, c Â_t) where Â_t < 0, bounding ρ_t's effect.
    pg_weight w_t, detached, multiplies s_t: truncated importance sampling of the sampler/trainer mismatch
      (Yao et al. 2025), w_t = min(π_old/π_sampler, C) per token or per sequence, or masked outside [1/C, C]
-     (IcePop's two-sided band) or above C (mode "mask_high": Seq-MIS's one-sided mask at level="sequence"); the top-entropy mask (Wang et al. 2025,
-     "Beyond the 80/20 rule"): w_t = 1[H_t ≥ τ], τ the top-q entropy; Clip-Cov (Cui et al. 2025, arXiv 2505.22617,
-     §5): w_t = 0 on the tokens cov_select picks, by the covariance of log π_old and Â over the global batch.
+     (IcePop's two-sided band) or above C (mode "mask_high": Seq-MIS's one-sided mask at level="sequence");
+     the top-entropy mask (Wang et al. 2025, "Beyond the 80/20 rule"): w_t = 1[H_t ≥ τ], τ the top-q entropy;
+     Clip-Cov (Cui et al. 2025, arXiv 2505.22617): w_t = 0 on the tokens cov_select picks, by the covariance of
+     log π_old and Â over the global batch.
 2. KL to π_ref (Schulman 2020, "Approximating KL divergence"), d_t = log π_ref(o_t) − log π_θ(o_t):
      k1 = −d_t,  k2 = d_t²/2,  k3 = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default),  ℓ_t = −s_t + β D_t.
    k3's value estimates the reverse KL(π_θ‖π_ref), but per state E_{o~π_θ}[∇k3] = ∇KL(π_ref‖π_θ), the forward KL;
    E[∇k2] = ∇KL(π_θ‖π_ref) per state; k1 in the reward (credit.kl_reward) is the exact sequence-level gradient.
    kl_old β_old: + β_old (log π_θ − log π_old)²/2, a k2 KL to the behaviour policy (DPPO's companion term);
-   abs_kl κ_t (KL-Cov, Cui et al. 2025 §5): + κ_t |log ρ_t|, κ_t = β_cov on the top-covariance tokens, else 0.
+   abs_kl κ_t (KL-Cov, Cui et al. 2025): + κ_t |log ρ_t|, κ_t = β_cov on the top-covariance tokens, else 0.
 3. Aggregation (agg), the loss is −J:
      "seq_mean_token_mean"      1/G Σ_i 1/|o_i| Σ_t ℓ_i,t        J_GRPO, DeepSeekMath eq. 3
      "token_mean"               1/Σ_i |o_i| Σ_i Σ_t ℓ_i,t        DAPO §3.3 token-level loss, eq. 8
@@ -247,7 +248,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def cov_select(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, mode: str, frac: float,
                low: float = 1.0, high: float = 5.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Clip-Cov / KL-Cov token selection (Cui et al. 2025, arXiv 2505.22617, §5): cov_t = (Â_t − mean Â)(log π_old(o_t)
+    """Clip-Cov / KL-Cov token selection (Cui et al. 2025, arXiv 2505.22617): cov_t = (Â_t − mean Â)(log π_old(o_t)
     − mean log π_old), means over the valid tokens. mode "kl": the k = max(1, ⌊frac·n⌋) largest cov_t (KL-Cov);
     "clip": k drawn uniformly (generator) from the tokens with low < cov_t < high (Clip-Cov). Pass the GLOBAL batch
     (all ranks' tokens, one canonical order): old_logp, mask [N, L]; advantages [N] or [N, L] -> bool [N, L]."""

@@ -105,7 +105,7 @@ class Config:
     tau_pos: float = 1.0                # SAPO gate temperature τ for Â > 0
     tau_neg: float = 1.05               #   and for Â ≤ 0
     kl_old: float = 0.0                 # k2 KL to π_old, DPPO's companion term (0: off)
-    cov: str = "none"                   # entropy control, Cui et al. 2025 §5: clip (Clip-Cov) | kl (KL-Cov) | none
+    cov: str = "none"                   # entropy control (Cui et al. 2025): clip (Clip-Cov) | kl (KL-Cov) | none
     cov_frac: float = 2e-4              #   share of tokens picked by cov(log π_old, Â) over the global batch
     cov_low: float = 1.0                #   Clip-Cov's band (cov_low, cov_high) to draw them from
     cov_high: float = 5.0
@@ -448,7 +448,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     if cfg.top_entropy_q < 1:  # Wang et al. 2025: τ = the top-q entropy of π_old over the global batch's tokens
         ents = [ent[mask[rows, :ent.shape[1]]].cpu() for (_, ent, _), rows in zip(pre, plan)]
         tau = grpo.entropy_threshold(torch.cat(infra.all_gather_list(ents)), cfg.top_entropy_q).to(dev)
-    picks = cov_picks(cfg, proc.rank, pre, plan, mask, adv, step, ids) if cfg.cov != "none" else []  # Cui et al. §5
+    picks = cov_picks(cfg, proc.rank, pre, plan, mask, adv, step, ids) if cfg.cov != "none" else []  # Cui et al. 2025
     # 4. μ optimizer steps on this batch, each over all micro-batches
     for epoch in range(cfg.ppo_epochs):
         losses = []  # this epoch's micro-batch losses, for the NaN guard

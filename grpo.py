@@ -1,31 +1,40 @@
-"""Pure GRPO / DAPO / Dr. GRPO (and GSPO, CISPO, RLOO, REINFORCE++) loss functions: tensors in, (loss, metrics)
-out. Imports only torch.
+"""Pure GRPO / DAPO / Dr. GRPO (and GSPO, CISPO, DPPO, SAPO, GMPO, Clip-/KL-Cov) policy losses: tensors in,
+(loss, metrics) out. Imports only torch.
 
-A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major, N = P·G.
-1. Reward shaping, DAPO §3.4 soft overlong punishment (eq. 13), with Lmax = max_len, Lc = cache_len:
-     R_len(y) = 0 if |y| ≤ Lmax − Lc;  ((Lmax − Lc) − |y|) / Lc if Lmax − Lc < |y| ≤ Lmax;  −1 otherwise.
-2. Dynamic sampling, DAPO §3.2: keep a group only if 0 < |{o_i correct}| < G (its reward spread is > 0),
-   since a zero-spread group has Â = 0 and gives no gradient.
-3. Group-relative advantage, DeepSeekMath §4.1.2:  Â_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + eps).
-   scale="none" keeps only r_i − mean (Dr. GRPO §3); scale="batch" divides by the std of the whole batch;
-   "rloo", leave-one-out (Ahmadian et al. 2024, RLOO):  Â_i = r_i − 1/(G−1) Σ_{j≠i} r_j = G/(G−1) (r_i − mean);
-   "reinforce_pp", REINFORCE++-baseline (Hu 2025):  A_i = r_i − mean(r_1..r_G), then whitened over every token
-   of the global batch, Â_i = (A_i − mean_tok A) / (std_tok A + eps), a row weighted by its length |o_i|.
-   Process supervision, DeepSeekMath §4.1.3: r̃_j = (r_j − mean(R)) / std(R) over all steps R of the group,
-   and Â_t = Σ_{j: index(j) ≥ t} r̃_j.
-4. Clipped surrogate per token, ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t):
+A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major, N = P·G. The advantages Â come
+from credit.py (rewards, shaping, group baselines).
+1. Clipped surrogate per token, ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t):
      s_t = min(ρ_t Â_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â_t)     ε_high > ε_low: DAPO §3.1 clip-higher (eq. 8)
    ratio_level="sequence", GSPO (Zheng et al. 2025, eq. 5): ρ_t → s_i = exp(1/|o_i| Σ_t log ρ_i,t), one ratio and
-     one clip per sequence, in the paper's GSPO-token form s_i,t = sg[s_i] · π_θ(o_i,t)/sg[π_θ(o_i,t)].
-   pg_loss="cispo", MiniMax-M1 §3.1: s_t = sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) Â_t log π_θ(o_t): every token
-     keeps its gradient, only its weight is capped.
+     one clip per sequence, in the paper's GSPO-token form s_i,t = sg[s_i] · π_θ(o_i,t)/sg[π_θ(o_i,t)]; it is eq. 5
+     only with agg="seq_mean_token_mean" (configs/gspo.toml).
+   pg_loss="cispo", MiniMax-M1 §3.1: gradient of sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) Â_t log π_θ(o_t): every
+     token keeps its gradient, only its weight is capped. Its loss VALUE is −sg(clip ρ)·Â (log π replaced by 1 + log π
+     − sg(log π), value 1, same gradient), not −J_CISPO, whose log π term has no meaning as a number.
+   pg_loss="dppo_tv" | "dppo_kl", DPPO (Qi et al. 2026, arXiv 2602.04879, Binary-TV / Binary-KL): gradient of
+     M_t sg(min(ρ_t, C)) Â_t log π_θ(o_t), C = 20; M_t = 0 (no gradient) where the sampled token's divergence from
+     π_old leaves the trust region in the direction Â pushes it: TV, Â > 0 and π_θ(o_t) − π_old(o_t) > δ_high, or
+     Â ≤ 0 and π_θ − π_old < −δ_low; KL, the binary KL p_old log(p_old/p) + (1 − p_old) log((1 − p_old)/(1 − p))
+     of the sampled token's probability above δ_high (p > p_old, Â > 0) or δ_low (p < p_old, Â ≤ 0); δ = ε here.
+   pg_loss="sapo", SAPO (Gao et al. 2025, arXiv 2511.20347, the soft gate): s_t = f(ρ_t) Â_t, f(ρ) = 4/τ σ(τ(ρ − 1)),
+     τ = τ_pos if Â_t > 0 else τ_neg; ∇s_t = 4σ(1 − σ) ρ_t Â_t ∇log π, weight 1 at ρ = 1, fading smoothly off-policy.
+   pg_loss="gmpo", GMPO (Zhao et al. 2025, arXiv 2507.20673, its objective with the log-space clip): per sequence
+     Â_i · exp(1/|o_i| Σ_t sgn(Â_i) min(sgn(Â_i) log ρ_t, sgn(Â_i) clip(log ρ_t, −ε_low, ε_high))), the geometric
+     mean of the token ratios; its value sits on every token of row i, so agg="seq_mean_token_mean" is 1/G Σ_i.
    dual_clip=c > 1, Ye et al. 2020 (dual-clip PPO): s_t = max(s_t, c Â_t) where Â_t < 0, bounding ρ_t's effect.
    pg_weight w_t, detached, multiplies s_t: truncated importance sampling of the sampler/trainer mismatch
-     (Yao et al. 2025), w_t = min(π_old/π_sampler, C) per token or per sequence, or masked outside [1/C, C];
-     the top-entropy mask (Wang et al. 2025, "Beyond the 80/20 rule"): w_t = 1[H_t ≥ τ], τ the top-q entropy.
-5. KL to π_ref (Schulman 2020, "Approximating KL divergence"), d_t = log π_ref(o_t) − log π_θ(o_t):
-     k1 = −d_t,  k2 = d_t²/2,  k3 = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default),  ℓ_t = −s_t + β D_t
-6. Aggregation (agg), the loss is −J:
+     (Yao et al. 2025), w_t = min(π_old/π_sampler, C) per token or per sequence, or masked outside [1/C, C]
+     (IcePop's two-sided band) or above C (mode "mask_high": Seq-MIS's one-sided mask at level="sequence");
+     the top-entropy mask (Wang et al. 2025, "Beyond the 80/20 rule"): w_t = 1[H_t ≥ τ], τ the top-q entropy;
+     Clip-Cov (Cui et al. 2025, arXiv 2505.22617): w_t = 0 on the tokens cov_select picks, by the covariance of
+     log π_old and Â over the global batch.
+2. KL to π_ref (Schulman 2020, "Approximating KL divergence"), d_t = log π_ref(o_t) − log π_θ(o_t):
+     k1 = −d_t,  k2 = d_t²/2,  k3 = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default),  ℓ_t = −s_t + β D_t.
+   k3's value estimates the reverse KL(π_θ‖π_ref), but per state E_{o~π_θ}[∇k3] = ∇KL(π_ref‖π_θ), the forward KL;
+   E[∇k2] = ∇KL(π_θ‖π_ref) per state; k1 in the reward (credit.kl_reward) is the exact sequence-level gradient.
+   kl_old β_old: + β_old (log π_θ − log π_old)²/2, a k2 KL to the behaviour policy (DPPO's companion term);
+   abs_kl κ_t (KL-Cov, Cui et al. 2025): + κ_t |log ρ_t|, κ_t = β_cov on the top-covariance tokens, else 0.
+3. Aggregation (agg), the loss is −J:
      "seq_mean_token_mean"      1/G Σ_i 1/|o_i| Σ_t ℓ_i,t        J_GRPO, DeepSeekMath eq. 3
      "token_mean"               1/Σ_i |o_i| Σ_i Σ_t ℓ_i,t        DAPO §3.3 token-level loss, eq. 8
      "seq_mean_token_sum_norm"  1/(G·Lmax) Σ_i Σ_t ℓ_i,t         Dr. GRPO §3, a constant normaliser
@@ -40,98 +49,10 @@ from typing import Optional, Union
 import torch
 
 AGGS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
-SCALES = ("group", "batch", "none", "rloo", "reinforce_pp")
-RATIO_LEVELS, PG_LOSSES, KL_ESTIMATORS = ("token", "sequence"), ("clip", "cispo"), ("k1", "k2", "k3")
-TIS_LEVELS, TIS_MODES = ("token", "sequence"), ("truncate", "mask")
+RATIO_LEVELS, KL_ESTIMATORS = ("token", "sequence"), ("k1", "k2", "k3")
+PG_LOSSES = ("clip", "cispo", "dppo_tv", "dppo_kl", "sapo", "gmpo")
+TIS_LEVELS, TIS_MODES = ("token", "sequence"), ("truncate", "mask", "mask_high")
 Scale = Optional[Union[float, torch.Tensor]]
-
-
-def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    # [N] -> [P, G]; rows are prompt-major so a plain view puts each group on one row
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-d [N], got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"N={rewards.numel()} is not divisible by group_size={group_size}")
-    return rewards.float().view(-1, group_size)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
-                     lengths: Optional[torch.Tensor] = None):
-    """rewards [N] prompt-major -> advantages [N] (float32). lengths [N] (each row's loss tokens) only for
-    scale="reinforce_pp"; pass the whole global batch, as every rank holds it, so the result is exact. There a
-    zero-spread group's 0 becomes −mean/std after the batch whitening, as in the paper."""
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; use one of {SCALES}")
-    r = _grouped(rewards, group_size)  # [P, G]
-    adv = r - r.mean(1, keepdim=True)  # [P, G]
-    if scale == "group":
-        # Bessel-corrected std, as in DeepSeekMath's worked example; G = 1 has no spread, so std is 0 there
-        adv = adv / ((r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(r)) + eps)
-    elif scale == "batch":
-        adv = adv / ((r.std() if r.numel() > 1 else r.new_zeros(())) + eps)
-    elif scale == "rloo":
-        # r_i − mean_{j≠i} r_j = G/(G−1) (r_i − mean_G r); with G = 1 there is no other sample and adv is 0
-        adv = adv * (group_size / max(group_size - 1, 1))
-    # exact zeros for zero-spread groups: the float mean of equal values can be off by an ulp, and eps=0 gives 0/0
-    spread = (r.amax(1, keepdim=True) - r.amin(1, keepdim=True)) > 0  # [P, 1]
-    adv = torch.where(spread, adv, 0.0)
-    if scale == "reinforce_pp":
-        if lengths is None or lengths.shape != rewards.shape:
-            raise ValueError(f"scale='reinforce_pp' needs lengths [N] = {tuple(rewards.shape)}")
-        # mean and (population) std over tokens: a row of |o_i| tokens counts |o_i| times, as in OpenRLHF
-        w = lengths.float().view_as(r)
-        mean = (w * adv).sum() / w.sum().clamp(min=1)
-        std = ((w * (adv - mean) ** 2).sum() / w.sum().clamp(min=1)).sqrt()
-        adv = (adv - mean) / (std + eps)
-    return adv.view(-1)
-
-
-def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling: rewards [N] -> bool [N/G], True where the group's rewards are not all equal."""
-    r = _grouped(rewards, group_size)
-    return (r.amax(1) - r.amin(1)) > 0
-
-
-def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO eq. 13 soft overlong punishment: lengths [N] -> penalty [N] in [-1, 0]."""
-    if not 0 <= cache_len <= max_len:
-        raise ValueError(f"need 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
-    y = lengths.float()
-    soft = max_len - cache_len
-    # linear ramp from 0 at soft to -1 at max_len; cache_len = 0 leaves the ramp empty (hard cut)
-    ramp = (soft - y) / max(cache_len, 1)
-    return torch.where(y <= soft, 0.0, torch.where(y <= max_len, ramp, -1.0))
-
-
-def process_advantages(step_rewards: torch.Tensor, step_ends: torch.Tensor, step_mask: torch.Tensor,
-                       group_size: int, length: int, eps: float = 1e-4) -> torch.Tensor:
-    """Process supervision (DeepSeekMath §4.1.3): per-step rewards -> per-token advantages [N, L].
-
-    step_rewards [N, K] float, step_ends [N, K] long (index of the last completion token of each step),
-    step_mask [N, K] bool (False for padding steps); K is the most steps of any row.
-    """
-    if step_rewards.dim() != 2 or step_ends.shape != step_rewards.shape or step_mask.shape != step_rewards.shape:
-        raise ValueError(f"step_rewards, step_ends, step_mask must share a 2-d shape [N, K], got "
-                         f"{tuple(step_rewards.shape)}, {tuple(step_ends.shape)}, {tuple(step_mask.shape)}")
-    n, k = step_rewards.shape
-    if group_size < 1 or n % group_size != 0:
-        raise ValueError(f"N={n} is not divisible by group_size={group_size}")
-    if k == 0:  # no steps anywhere: nothing to reward
-        return step_rewards.new_zeros(n, length, dtype=torch.float32)
-    # a step ending before token 0 rewards no token, so it is dropped like padding
-    valid = step_mask.bool() & (step_ends >= 0)
-    r = step_rewards.float().reshape(-1, group_size * k)  # [P, G·K]: all steps of all G outputs of a prompt
-    m = valid.reshape(-1, group_size * k).float()
-    cnt = m.sum(1, keepdim=True)
-    mean = (r * m).sum(1, keepdim=True) / cnt.clamp(min=1)
-    # Bessel-corrected std over the group's steps, matching group_advantages
-    var = (m * (r - mean) ** 2).sum(1, keepdim=True) / (cnt - 1).clamp(min=1)
-    big, small = torch.where(m > 0, r, -math.inf).amax(1, True), torch.where(m > 0, r, math.inf).amin(1, True)
-    norm = torch.where((m > 0) & (big > small), (r - mean) / (var.sqrt() + eps), 0.0).view(n, k)
-    # put each step's reward at its end token, then a reverse cumsum sums the steps ending at or after t
-    ends = step_ends.clamp(0, length - 1)
-    per_end = torch.zeros(n, length, dtype=norm.dtype, device=norm.device).scatter_add_(1, ends, norm)
-    return per_end.flip(1).cumsum(1).flip(1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 4) -> torch.Tensor:
@@ -221,19 +142,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 eps_low: float = 0.2, eps_high: float = 0.2, ref_logp: Optional[torch.Tensor] = None,
                 beta: float = 0.0, agg: str = "seq_mean_token_mean", max_len: Optional[int] = None,
                 loss_scale: Scale = None, ratio_level: str = "token", pg_loss: str = "clip", dual_clip: float = 0.0,
-                kl_estimator: str = "k3", pg_weight: Optional[torch.Tensor] = None):
-    """Clipped-surrogate GRPO/DAPO/Dr. GRPO loss (GSPO, CISPO, dual-clip by flag). logp, old_logp, ref_logp,
-    mask, pg_weight [N, L]; advantages [N] or [N, L]. Returns (loss, metrics) with metrics a dict of detached
-    0-d tensors (token means over valid tokens)."""
+                kl_estimator: str = "k3", pg_weight: Optional[torch.Tensor] = None, tau_pos: float = 1.0,
+                tau_neg: float = 1.05, kl_old: float = 0.0, abs_kl: Optional[torch.Tensor] = None):
+    """The policy loss of step 1-3 of the module docstring, chosen by pg_loss (clip, cispo, dppo_tv, dppo_kl, sapo,
+    gmpo) and ratio_level, plus dual-clip, pg_weight (TIS, top-entropy, Clip-Cov), β·KL to π_ref, kl_old·k2 to π_old
+    and abs_kl·|log ρ| (KL-Cov). logp, old_logp, ref_logp, mask, pg_weight, abs_kl [N, L]; advantages [N] or
+    [N, L]; ε_low / ε_high are the ratio clip (clip, cispo), the log-ratio clip (gmpo) or δ (dppo); τ_pos / τ_neg
+    SAPO's temperatures. Returns (loss, metrics): metrics a dict of detached 0-d tensors (valid-token means)."""
     if agg not in AGGS:
         raise ValueError(f"unknown agg {agg!r}; use one of {AGGS}")
     if ratio_level not in RATIO_LEVELS or pg_loss not in PG_LOSSES:
         raise ValueError(f"ratio_level {ratio_level!r} / pg_loss {pg_loss!r}: use {RATIO_LEVELS} / {PG_LOSSES}")
     if dual_clip != 0 and (dual_clip <= 1 or pg_loss != "clip"):
         raise ValueError(f"dual_clip must be 0 (off) or > 1 with pg_loss='clip', got {dual_clip} with {pg_loss!r}")
+    if pg_loss == "gmpo" and ratio_level != "token" or not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"gmpo takes token ratios (it forms its own geometric mean); SAPO's τ must be > 0, got "
+                         f"ratio_level={ratio_level!r}, tau_pos={tau_pos}, tau_neg={tau_neg}")
     if logp.dim() != 2:
         raise ValueError(f"logp must be 2-d [N, L], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("pg_weight", pg_weight)):
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("pg_weight", pg_weight),
+                    ("abs_kl", abs_kl)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -243,22 +171,48 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     valid = mask != 0  # [N, L]
     adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype).expand_as(logp)
     # zero the log-ratio on padding before exp, so garbage there cannot become inf and then NaN gradients
-    log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, L]
+    tok_log_ratio = log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, L]
+    count = valid.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
     if ratio_level == "sequence":
         # GSPO-token: the value is s_i, the gradient s_i ∇log π_θ(o_i,t), so with one Â_i per row and
         # agg="seq_mean_token_mean" the loss and its gradient are GSPO's eq. 5 exactly
-        seq = log_ratio.sum(1, keepdim=True) / valid.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
+        seq = log_ratio.sum(1, keepdim=True) / count  # [N, 1]
         log_ratio = torch.where(valid, seq.detach() + logp - logp.detach(), 0.0)
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    # 1 + log π − sg(log π) has value 1 and gradient ∇log π_θ: for the sg-weighted losses (CISPO, DPPO) the loss
+    # keeps the surrogate's value sg(w)·Â, the gradient is sg(w)·Â·∇log π_θ, and nothing overflows where ρ does
+    lp = torch.where(valid, logp, 0.0)
+    score = 1 + lp - lp.detach()
+    low, high = ratio < 1 - eps_low, ratio > 1 + eps_high  # metrics: where the trust region binds (below)
     if pg_loss == "cispo":
-        # 1 + log π − sg(log π) has value 1 and gradient ∇log π_θ: the loss keeps the surrogate's value, the
-        # gradient is CISPO's, and nothing overflows where ρ does
-        lp = torch.where(valid, logp, 0.0)
-        surr = clipped.detach() * adv * (1 + lp - lp.detach())
+        surr = clipped.detach() * adv * score
+    elif pg_loss in ("dppo_tv", "dppo_kl"):
+        p, p_old = lp.detach().exp(), torch.where(valid, old_logp, 0.0).exp()
+        if pg_loss == "dppo_tv":  # Binary-TV: |π_θ − π_old| of the sampled token, the TV of the two-way split
+            high, low = p - p_old > eps_high, p - p_old < -eps_low
+        else:  # Binary-KL of (p_old, 1 − p_old) to (p, 1 − p); log1p keeps p → 1 finite (capped at 1 − 1e-6)
+            top = 1 - 1e-6
+            bkl = p_old * (old_logp.detach() - lp.detach()) * valid + (1 - p_old) * (
+                torch.log1p(-p_old.clamp(max=top)) - torch.log1p(-p.clamp(max=top)))
+            high, low = (bkl > eps_high) & (p > p_old), (bkl > eps_low) & (p < p_old)
+        high, low = high & (adv > 0), low & (adv <= 0)  # masked only when Â pushes further out of the region
+        surr = torch.where(high | low, 0.0, ratio.detach().clamp(max=20.0) * adv * score)
+    elif pg_loss == "sapo":
+        # soft gate 4/τ σ(τ(ρ − 1)); |log ρ| ≤ 20 keeps exp finite where σ' is already 0
+        tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)  # in Â's dtype (float64 stays exact)
+        surr = 4 / tau * torch.sigmoid(tau * (log_ratio.clamp(-20, 20).exp() - 1)) * adv
+    elif pg_loss == "gmpo":
+        sgn = adv.sign()
+        # sgn·min(sgn·x, sgn·clip(x)): the pessimistic side of the log-space clip, as PPO's min for the sign of Â
+        kept = sgn * torch.minimum(sgn * log_ratio, sgn * log_ratio.clamp(-eps_low, eps_high))
+        low, high = (log_ratio < -eps_low) & (adv < 0), (log_ratio > eps_high) & (adv > 0)
+        seq_adv = torch.where(valid, adv, 0.0).sum(1, keepdim=True) / count  # Â_i (a token-level Â: its mean)
+        surr = (seq_adv * (torch.where(valid, kept, 0.0).sum(1, keepdim=True) / count).exp()).expand_as(logp)
     else:
         # pessimistic min: clipping removes the gain from moving ρ past the trust region, never a loss's penalty
         surr = torch.minimum(ratio * adv, clipped * adv)
+        low, high = low & (adv < 0), high & (adv > 0)
         if dual_clip > 0:
             dual = (adv < 0) & (surr < dual_clip * adv)  # ρ > c for Â < 0: the loss stops growing with ρ
             surr = torch.where(dual, dual_clip * adv, surr)
@@ -267,17 +221,18 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         # both zeroed on padding: d = 0 there for every estimator, and garbage cannot reach the gradient
         kl = kl_penalty(torch.where(valid, logp, 0.0), torch.where(valid, ref_logp, 0.0), kl_estimator)
         per_tok = per_tok + beta * kl
+    if kl_old > 0:
+        per_tok = per_tok + kl_old * 0.5 * tok_log_ratio ** 2
+    if abs_kl is not None:
+        per_tok = per_tok + abs_kl.detach().to(per_tok.dtype) * tok_log_ratio.abs()
     per_tok = torch.where(valid, per_tok, 0.0)
     loss = _aggregate(per_tok, valid, agg, max_len, loss_scale)
 
-    # metrics: the clip is active (zero gradient) only where it binds against the advantage's sign; for CISPO,
-    # where the weight is capped (the token still has a gradient)
+    # metrics: clip_low / clip_high, where the trust region takes the token's gradient away (clip, gmpo, dppo);
+    # for CISPO and SAPO, where ρ leaves [1 − ε_low, 1 + ε_high] (the token still has a gradient)
     with torch.no_grad():
         n_tok = valid.sum()
         denom = n_tok.clamp(min=1).float()
-        low, high = ratio < 1 - eps_low, ratio > 1 + eps_high
-        if pg_loss == "clip":
-            low, high = low & (adv < 0), high & (adv > 0)
         metrics = {
             "clip_low": (low & valid).sum() / denom,
             "clip_high": (high & valid).sum() / denom,
@@ -291,11 +246,37 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, metrics
 
 
+def cov_select(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, mode: str, frac: float,
+               low: float = 1.0, high: float = 5.0, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Clip-Cov / KL-Cov token selection (Cui et al. 2025, arXiv 2505.22617): cov_t = (Â_t − mean Â)(log π_old(o_t)
+    − mean log π_old), means over the valid tokens. mode "kl": the k = max(1, ⌊frac·n⌋) largest cov_t (KL-Cov);
+    "clip": k drawn uniformly (generator) from the tokens with low < cov_t < high (Clip-Cov). Pass the GLOBAL batch
+    (all ranks' tokens, one canonical order): old_logp, mask [N, L]; advantages [N] or [N, L] -> bool [N, L]."""
+    if mode not in ("clip", "kl") or not 0 < frac <= 1:
+        raise ValueError(f"cov mode {mode!r} / frac {frac}: use 'clip' or 'kl' and 0 < frac <= 1")
+    valid = mask != 0
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).double().expand_as(old_logp)
+    a, lp = adv[valid], old_logp.detach().double()[valid]  # [n]: the valid tokens, row-major
+    cov = (a - a.mean()) * (lp - lp.mean())
+    k = max(1, int(frac * cov.numel() + 1e-9))
+    if mode == "kl":
+        pick = cov.argsort(descending=True, stable=True)[:k]  # ties: the earlier token first
+    else:
+        cand = ((cov > low) & (cov < high)).nonzero().squeeze(1)
+        pick = cand[torch.randperm(cand.numel(), generator=generator)[:k]]
+    flat = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    out = torch.zeros_like(valid)
+    out[valid] = flat.index_fill(0, pick, True)
+    return out
+
+
 def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str = "token",
                 mode: str = "truncate", cap: float = 2.0):
     """Truncated importance sampling of the sampler/trainer mismatch (Yao et al. 2025): detached weights
     w = π_old/π_sampler, the trainer's old log-probs over the sampler's recorded ones, per token or (level=
-    "sequence") one product per row; mode "truncate": min(w, C); "mask": w if 1/C ≤ w ≤ C, else 0.
+    "sequence") one product per row; mode "truncate": min(w, C); "mask": w if 1/C ≤ w ≤ C, else 0 (IcePop's
+    two-sided band, Ling Team 2025, "Every Step Evolves", for tokens); "mask_high": w if w ≤ C, else 0 (the one-sided
+    masked IS, Seq-MIS with level="sequence", of Liu et al. 2025, "When Speed Kills Stability").
     [N, L] thrice -> (weights [N, L] float32, 0 on padding; metrics: raw w's token mean and max, fraction cut)."""
     if level not in TIS_LEVELS or mode not in TIS_MODES or not cap >= 1:
         raise ValueError(f"tis level {level!r} / mode {mode!r} / cap {cap}: use {TIS_LEVELS} / {TIS_MODES} / >= 1")
@@ -308,7 +289,7 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
         log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
     w = log_w.exp()  # a long sequence's product can overflow to inf: truncate gives C, mask gives 0, as it should
     cut = (w > cap) | ((w < 1 / cap) & (mode == "mask"))
-    out = torch.where(valid & ~cut, w, 0.0) if mode == "mask" else torch.where(valid, w.clamp(max=cap), 0.0)
+    out = torch.where(valid & ~cut, w, 0.0) if mode != "truncate" else torch.where(valid, w.clamp(max=cap), 0.0)
     denom = valid.sum().clamp(min=1)
     metrics = {"tis_mean": torch.where(valid, w, 0.0).sum() / denom,
                "tis_max": torch.where(valid, w, 0.0).amax() if w.numel() else w.new_zeros(()),
@@ -322,7 +303,9 @@ def entropy_threshold(entropy: torch.Tensor, q: float, mask: Optional[torch.Tens
     ranks). Ties: every token with H_t = τ is kept, so slightly more than q·n may pass. q = 1 keeps all."""
     if not 0 < q <= 1:
         raise ValueError(f"top-entropy q must be in (0, 1], got {q}")
-    h = entropy.detach().float().reshape(-1)
+    # τ in the entropies' own dtype: a float32 τ of float64 entropies drops a tied block sitting exactly at τ
+    h = entropy.detach().reshape(-1)
+    h = h if h.is_floating_point() else h.float()
     ok = torch.ones_like(h, dtype=torch.bool) if mask is None else (mask != 0).reshape(-1)
     top = torch.where(ok, h, -math.inf).sort(descending=True).values
     # k in float64 with a 1e-6 slack: 0.07 · 100 is 7.000000000000001, whose ceiling would be 8

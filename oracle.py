@@ -8,12 +8,13 @@
    so ratios ≠ 1); mismatch (sampler ≠ π_old = π_θ, what truncated importance sampling corrects).
 3. Exact by enumeration: J(θ) = 1/P Σ_p Σ_y π_θ(y|p) r(p, y) and ∇J (autograd through the sum), KL(π_θ‖π_ref),
    the entropy of π_θ(y|p).
-4. An estimator is a batch loss L(b; θ) built only from grpo.py's functions, and ĝ(b) = −∇_θ L(b; θ).
+4. An estimator is a batch loss L(b; θ) built only from grpo.py's and credit.py's functions, ĝ(b) = −∇_θ L(b; θ).
    Exact moments where L is a mean of per-group terms (a constant normaliser): all Y^G G-tuples of each prompt,
    P(tuple) = Π_i π_sampler(y_i|p), E[ĝ] = 1/P Σ_p E_p[ĝ_p], tr Cov = 1/P² Σ_p tr Cov_p. Monte Carlo over B
-   batches of P groups where the batch couples prompts (token-mean, batch std, REINFORCE++, top-entropy), with
-   the standard error of 8 chunks. Per-batch gradients: ∂L/∂log π(o_t) of every token from one backward (batches
-   share no tokens), times the tabular ∇_θ log π(v | prefix) = e_v − π(· | prefix).
+   batches of P groups where the batch couples prompts (token-mean, batch std, REINFORCE++, top-entropy, Clip-Cov /
+   KL-Cov: their tokens are picked over the batch), with the standard error of 8 chunks. Per-batch gradients:
+   ∂L/∂log π(o_t) of every token from one backward (batches share no tokens), times the tabular
+   ∇_θ log π(v | prefix) = e_v − π(· | prefix).
 5. KL estimators k1/k2/k3 (grpo.kl_penalty) of one completion: bias and variance of Σ_t k_t against the exact
    KL, and of its gradient as a loss term against ∇KL; and k1 in the reward instead (Â_t = −Σ_{t'≥t} k1_t').
 
@@ -27,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch.func import vmap
 
+import credit
 import grpo
 
 EOS, V = 0, 3  # tokens: 0 = EOS, 1 = a, 2 = b
@@ -97,21 +99,27 @@ def mc_batches(task, sampler, group, n_batches, seed=1):
     return prompt, comp, torch.full((n_batches,), 1 / n_batches, dtype=torch.float64), one, 1.0
 
 
-def batch_loss(spec, group, lp, old, samp, ref, mask, r, ent):
-    """One batch's loss from grpo.py: lp, old, samp, ref, ent, mask [n, H]; r [n]."""
+def batch_loss(spec, group, lp, old, samp, ref, mask, r, ent, sel=None):
+    """One batch's loss from grpo.py and credit.py: lp, old, samp, ref, ent, mask, sel [n, H]; r [n]. sel: the
+    tokens grpo.cov_select picked (Clip-Cov, KL-Cov), chosen outside vmap over the whole batch."""
     if spec["adv"] == "kl_to_go":  # KL in the reward: Â_t = −Σ_{t' ≥ t} k1_t', REINFORCE on the sequence's KL
         adv = -torch.where(mask, old - ref, 0.0).flip(-1).cumsum(-1).flip(-1)
     else:
         adv = r if spec["adv"] == "raw" else 0 * r if spec["adv"] == "zero" else \
-            grpo.group_advantages(r, group, spec["adv"], lengths=mask.sum(1)).to(lp.dtype)
+            credit.group_advantages(r, group, spec["adv"], lengths=mask.sum(1)).to(lp.dtype)
     w = None
     if "tis" in spec:
         w = grpo.tis_weights(old, samp, mask, spec["tis"], spec.get("mode", "truncate"), spec["cap"])[0].to(lp.dtype)
     if "q" in spec:
         keep = grpo.top_entropy_mask(ent, mask, grpo.entropy_threshold(ent, spec["q"], mask)).to(lp.dtype)
         w = keep if w is None else w * keep
+    cov = {}
+    if spec.get("cov") == "clip":  # Clip-Cov: the picked tokens leave the loss
+        w = (1 - sel.to(lp.dtype)) * (1 if w is None else w)
+    elif spec.get("cov") == "kl":  # KL-Cov: β_cov |log ρ| on them
+        cov = dict(abs_kl=spec["beta_cov"] * sel.to(lp.dtype))
     return grpo.policy_loss(lp, old, adv, mask, agg=spec["agg"], max_len=spec.get("max_len"), ref_logp=ref,
-                            pg_weight=w, **spec.get("kw", {}))[0]
+                            pg_weight=w, **spec.get("kw", {}), **cov)[0]
 
 
 def batch_grads(spec, task, theta, old, sampler, batches, group):
@@ -122,7 +130,14 @@ def batch_grads(spec, task, theta, old, sampler, batches, group):
     lp = token_logp(theta, task)[prompt, comp].detach().requires_grad_()  # [B, n, H]
     args = [token_logp(t, task)[prompt, comp] for t in (old, sampler, task.ref)]
     mask, r, ent = task.mask[comp], task.reward[prompt, comp], ent_pr[prompt[..., None], task.pre[comp]]
-    losses = vmap(lambda *a: batch_loss(spec, group, *a))(lp, *args, mask, r, ent)  # [B]
+    sel = torch.zeros_like(mask)
+    if spec["adv"] == "maxrl":  # per group, so one call over all batches; its reward check cannot run under vmap
+        r, spec = credit.group_advantages(r.reshape(-1), group, "maxrl").view_as(r).double(), {**spec, "adv": "raw"}
+    if "cov" in spec:  # cov_select is data-dependent (not vmappable): one call per batch, with Â of the batch
+        adv, gen = credit.group_advantages(r.reshape(-1), group, spec["adv"]).view_as(r), torch.Generator()
+        sel = torch.stack([grpo.cov_select(o, a, m, spec["cov"], spec["frac"], 1.0, 5.0, gen.manual_seed(i))
+                           for i, (o, a, m) in enumerate(zip(args[0], adv, mask))])
+    losses = vmap(lambda *a: batch_loss(spec, group, *a))(lp, *args, mask, r, ent, sel)  # [B]
     coef, = torch.autograd.grad(losses.sum(), lp)  # [B, n, H]: ∂L_b/∂log π(o_t), 0 on padding
     # scatter into θ's shape: Σ_t coef_t (e_{o_t} − π(· | prefix_t)) at row (p, prefix_t)
     row = (prompt[..., None] * task.R + task.pre[comp]).reshape(b, -1)  # [B, n·H]
@@ -164,6 +179,7 @@ ESTIMATORS = [  # (name, regime, spec); names say adv scale · aggregation · lo
     ("REINFORCE++: reinforce_pp · token-mean", ON, dict(adv="reinforce_pp", **TOK)),
     ("DAPO + top-entropy q = 0.5", ON, dict(adv="group", q=0.5, **TOK)),
     ("DAPO + top-entropy q = 0.2", ON, dict(adv="group", q=0.2, **TOK)),
+    ("MaxRL: maxrl · seq-sum", ON, dict(adv="maxrl", **SUM)),
     ("RLOO · seq-sum, token ratio, no clip", OFF, dict(kw=dict(eps_low=1.0, eps_high=1e9), **RLOO)),
     ("  + PPO clip ε 0.2", OFF, RLOO),
     ("  + clip-higher ε 0.2/0.28", OFF, dict(kw=dict(eps_high=0.28), **RLOO)),
@@ -171,6 +187,14 @@ ESTIMATORS = [  # (name, regime, spec); names say adv scale · aggregation · lo
     ("  GSPO, ε 3e-4/4e-4", OFF, dict(kw=dict(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4), **RLOO)),
     ("  GSPO, ε 0.2", OFF, dict(kw=dict(ratio_level="sequence"), **RLOO)),
     ("  CISPO ε_low 1, ε_high 0.28", OFF, dict(kw=dict(pg_loss="cispo", eps_low=1.0, eps_high=0.28), **RLOO)),
+    ("  DPPO-TV δ 0.15", OFF, dict(kw=dict(pg_loss="dppo_tv", eps_low=0.15, eps_high=0.15), **RLOO)),
+    ("  DPPO-KL δ 0.05", OFF, dict(kw=dict(pg_loss="dppo_kl", eps_low=0.05, eps_high=0.05), **RLOO)),
+    ("  SAPO τ 1 / 1.05", OFF, dict(kw=dict(pg_loss="sapo"), **RLOO)),
+    ("  GMPO ε 0.4 · seq-mean token-mean", OFF, dict(adv="rloo", kw=dict(pg_loss="gmpo", eps_low=0.4, eps_high=0.4),
+                                                     **SMTM)),
+    ("  + PPO clip, Clip-Cov r 0.2 in (1, 5)", OFF, dict(cov="clip", frac=0.2, batches=1 << 14, **RLOO)),
+    ("  KL-Cov r 0.2, β 1, no clip", OFF, dict(cov="kl", frac=0.2, beta_cov=1.0, batches=1 << 14,
+                                               kw=dict(eps_low=1.0, eps_high=1e9), **RLOO)),
     ("RLOO · seq-sum, no correction", MIS, RLOO),
     ("  + TIS token, C = 2", MIS, dict(tis="token", cap=2.0, **RLOO)),
     ("  + TIS sequence, C = 2", MIS, dict(tis="sequence", cap=2.0, **RLOO)),
@@ -186,7 +210,8 @@ def measure(spec, task, reg, group=4, n_batches=1 << 17):
     theta, old, sampler = {ON: (t, t, t), OFF: (task.step, t, t), MIS: (t, t, task.sampler)}[reg]
     true = exact_grad(theta, task)[1]
     # a normaliser or statistic over the whole batch ties the prompts' groups together: no per-prompt enumeration
-    mc = spec["agg"] == "token_mean" or spec["adv"] in ("batch", "reinforce_pp") or "q" in spec
+    mc = spec["agg"] == "token_mean" or spec["adv"] in ("batch", "reinforce_pp") or "q" in spec or "cov" in spec
+    n_batches = spec.get("batches", n_batches)
     batches = mc_batches(task, sampler, group, n_batches) if mc else exact_batches(task, sampler, group)
     g = batch_grads(spec, task, theta, old, sampler, batches, group)
     mean, tr = moments(g, *batches[2:])
@@ -232,7 +257,7 @@ def main():
           "| prompt weights |\n|---|---|---|---|---|---|---|---|")
     for name, reg, spec in ESTIMATORS:
         mean, tr, se, true = measure(spec, task, reg)
-        how = "exact" if se is None else "MC, 2^17 batches"
+        how = "exact" if se is None else f"MC, 2^{spec.get('batches', 1 << 17).bit_length() - 1} batches"
         pm = ("", "") if se is None else (f" ± {se[0]:.1g}", f" ± {se[1]:.1g}")
         print(f"| {name} | {reg} | {how} | {cos(mean, true):.4f}{pm[0]} | {float(mean.norm() / true.norm()):.4f}"
               f"{pm[1]} | {tr:.3g} | {tr / float(mean @ mean):.3g} | {prompt_scales(mean, true, task)} |")

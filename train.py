@@ -4,7 +4,7 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
   1. draw P prompts q; sample G completions o_1..o_G ~ π_θ(·|q) each (sample_groups, per-row seeds);
   2. reward r_i = accuracy (verify.py) + format weight + DAPO overlong shaping (shaped_rewards); DAPO dynamic
      sampling drops groups with zero reward spread and draws more prompts until P informative groups are held;
-  3. advantages Â_i from the group (grpo.group_advantages); π_old = the policy before this step's update;
+  3. advantages Â_i from the group (credit.group_advantages); π_old = the policy before this step's update;
   4. μ inner epochs: loss = grpo.policy_loss(log π_θ, log π_old, Â, mask, ε_low, ε_high, log π_ref, β, agg),
      accumulated over micro-batches sized by a token budget (micro_batches) and normalised by the GLOBAL token /
      sequence count, so any rank or micro-batch split gives the same gradient; clip grad norm; AdamW; warmup + cosine.
@@ -30,8 +30,11 @@ from typing import ClassVar
 import torch
 
 import cli
+import credit
 import grpo
+import guard
 import infra
+from objective import cov_picks, objective, old_pass  # the printed formula, two global-batch passes
 import tasks
 import templates
 import verify
@@ -96,11 +99,22 @@ class Config:
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
                                         # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
-    pg_loss: str = "clip"               # clip (PPO surrogate), cispo (MiniMax-M1 2025 §3.1: clipped sg weight)
+    pg_loss: str = "clip"               # clip (PPO surrogate), cispo (MiniMax-M1 2025 §3.1: clipped sg weight),
+                                        # dppo_tv | dppo_kl (DPPO, arXiv 2602.04879: ε is the divergence δ), sapo
+                                        # (SAPO, arXiv 2511.20347 soft gate), gmpo (GMPO, arXiv 2507.20673: ε in log)
+    tau_pos: float = 1.0                # SAPO gate temperature τ for Â > 0
+    tau_neg: float = 1.05               #   and for Â ≤ 0
+    kl_old: float = 0.0                 # k2 KL to π_old, DPPO's companion term (0: off)
+    cov: str = "none"                   # entropy control (Cui et al. 2025): clip (Clip-Cov) | kl (KL-Cov) | none
+    cov_frac: float = 2e-4              #   share of tokens picked by cov(log π_old, Â) over the global batch
+    cov_low: float = 1.0                #   Clip-Cov's band (cov_low, cov_high) to draw them from
+    cov_high: float = 5.0
+    cov_kl_coef: float = 1.0            #   KL-Cov's coefficient on |log ρ_t|
     dual_clip: float = 0.0              # c > 1: bound the loss of Â < 0 at c·Â (dual-clip, Ye et al. 2020); 0: off
     kl_estimator: str = "k3"            # k1 | k2 | k3 (Schulman 2020); DeepSeekMath eq. 4 uses k3
     tis: str = "none"                   # truncated IS of sampler vs trainer log-probs (Yao et al. 2025): none |
-    tis_mode: str = "truncate"          #   token | sequence; truncate w at tis_cap, or mask w outside [1/C, C]
+    tis_mode: str = "truncate"          #   token | sequence; truncate w at C, mask w outside [1/C, C] (IcePop),
+                                        #   or mask_high: w > C (one-sided; Seq-MIS at tis = sequence)
     tis_cap: float = 2.0                #   C
     top_entropy_q: float = 1.0          # gradient only on the top-q entropy tokens (Wang et al. 2025); 1: all
     agg: str = "token_mean"             # seq_mean_token_mean (GRPO), token_mean (DAPO §3.3),
@@ -108,6 +122,7 @@ class Config:
     eps_low: float = 0.2                # PPO clip ε (DeepSeekMath eq. 3)
     eps_high: float = 0.28              # DAPO §3.1 clip-higher
     beta: float = 0.0                   # KL(π_θ‖π_ref) weight, k3 estimator (DeepSeekMath eq. 4); DAPO drops it
+    kl_in: str = "loss"                 # loss: β·kl_estimator per token; reward: r_i − β Σ_t k1 before Â (exact ∇)
     ref_update_every: int = 0           # refresh π_ref ← π_θ every K steps (0: never)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
     max_sample_tries: int = 4           # rounds of refill before training on what was found
@@ -139,39 +154,17 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
-        "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
-        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES,
+        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
+        "cov": ("none", "clip", "kl"),
         "save_dtype": ("", "float32", "bfloat16", "float16"), "sft_flaw": tasks.FLAWS}
 
 
 def parse_args(argv: list[str], cls=Config):
     """Defaults ← --config FILE.toml ← --key=value (typed by the field; unknown keys and bad values are errors)."""
     return cli.parse_config(cls, argv)
-
-
-def objective(cfg: Config) -> str:
-    """The loss being optimised, assembled from the config, so a log says exactly which paper it is."""
-    adv = {"group": "(r_i − mean_G r) / (std_G r + ε)", "batch": "(r_i − mean_G r) / std_batch r",
-           "none": "r_i − mean_G r", "rloo": "r_i − mean_{j≠i} r_j",
-           "reinforce_pp": "whiten_tokens(r_i − mean_G r)"}[cfg.adv_scale]
-    agg = {"seq_mean_token_mean": "1/G Σ_i 1/|o_i| Σ_t", "token_mean": "1/Σ|o_i| Σ_i Σ_t",
-           "seq_mean_token_sum_norm": f"1/(G·{cfg.max_new_tokens}) Σ_i Σ_t"}[cfg.agg]
-    rho = "s_i" if cfg.ratio_level == "sequence" else "ρ_t"
-    term = (f"sg(clip({rho}, 1−{cfg.eps_low}, 1+{cfg.eps_high})) Â log π_θ" if cfg.pg_loss == "cispo" else
-            f"min({rho} Â, clip({rho}, 1−{cfg.eps_low}, 1+{cfg.eps_high}) Â)")
-    term = f"max({term}, {cfg.dual_clip}·Â)_(Â<0)" if cfg.dual_clip else term
-    term = f"w^TIS_{cfg.tis} · {term}" if cfg.tis != "none" else term
-    term = f"1[H_t ≥ top {cfg.top_entropy_q:g}] · {term}" if cfg.top_entropy_q < 1 else term
-    kl = f" − {cfg.beta}·D_KL^{cfg.kl_estimator}(π_θ‖π_ref)" if cfg.beta > 0 else ""
-    name = ("GSPO" if cfg.ratio_level == "sequence" else "CISPO" if cfg.pg_loss == "cispo" else
-            "RLOO" if cfg.adv_scale == "rloo" else "REINFORCE++" if cfg.adv_scale == "reinforce_pp" else
-            "Dr. GRPO" if cfg.adv_scale == "none" and cfg.agg == "seq_mean_token_sum_norm" else
-            "DAPO" if cfg.agg == "token_mean" and cfg.eps_high > cfg.eps_low else
-            "GRPO (DeepSeekMath)" if cfg.agg == "seq_mean_token_mean" else "custom")
-    return (f"{name}: J = E[{agg} {term}{kl}],  Â_i = {adv}" + (" per step (process)" if cfg.reward == "process"
-            else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else ""))
 
 
 @dataclass
@@ -273,7 +266,7 @@ def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     if cfg.format_weight:
         r = [x + cfg.format_weight * verify.format_reward(t) for x, t in zip(r, g.texts)]
     if cfg.overlong_buffer:
-        pen = grpo.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer)
+        pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer)
         r = [x + p for x, p in zip(r, pen.tolist())]
     return r
 
@@ -353,10 +346,11 @@ def add_metrics(sums: dict, metrics: dict):
         sums[k] = sums.get(k, 0.0) + v.detach().float()
 
 
-def optimizer_step(run: Run, opt) -> torch.Tensor:
-    """Clip the gradient norm, step (skipped when the norm is not finite), zero the gradients."""
+def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Clip the gradient norm, step (skipped when the norm, or `finite`, every rank's losses, is not), zero grads."""
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = norm if finite is None else torch.where(finite, norm, math.nan)  # guard.py: NaN anywhere skips everywhere
     if torch.isfinite(norm):
         opt.step()
         infra.refresh(run.sampler, run.model, lazy=True)  # gathered before the next sampling
@@ -401,26 +395,27 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
 
 
 # ==================================================================================================== RL
-def advantages(run: Run, groups: list[Group]) -> torch.Tensor:
-    """Â [N] of the global batch (grpo.group_advantages; REINFORCE++ whitens over its loss tokens), or with
-    reward = "process" Â [N, L] (DeepSeekMath §4.1.3, grpo.process_advantages): each arithmetic step's reward
-    (1 right, 0 wrong: verify.step_rewards) at the step's last token, the shaped outcome reward at the last."""
+def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Â [N] of the global batch (credit.group_advantages; REINFORCE++ whitens over its loss tokens), or with
+    reward = "process" Â [N, L] (DeepSeekMath §4.1.3, credit.process_advantages): each arithmetic step's reward
+    (1 right, 0 wrong: verify.step_rewards) at the step's last token, the shaped outcome reward at the last.
+    shift [N] is added to the (outcome) rewards first: −β Σ_t k1 for KL in the reward."""
     cfg = run.cfg
-    rewards = torch.tensor([r for g in groups for r in g.rewards])
+    rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
     if cfg.reward == "outcome":
         lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
                                 for c, cut in zip(g.comps, g.truncated)])
-        return grpo.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
-    steps = []
+        return credit.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
+    steps, shaped = [], iter(rewards.tolist())
     for g in groups:
-        for comp, text, r in zip(g.comps, g.texts, g.rewards):
+        for comp, text, r in zip(g.comps, g.texts, shaped):
             ends = list(itertools.accumulate(len(run.task.text([t])) for t in comp))  # each token's end character
             steps.append([(float(ok), bisect.bisect_right(ends, e - 1)) for e, ok in verify.step_rewards(text)]
                          + [(r, len(comp) - 1)])
     rew, end = (pad_batch([[s[j] for s in row] for row in steps], 0, dtype) for j, dtype in ((0, torch.float32),
                                                                                                (1, torch.long)))
     valid = pad_batch([[True] * len(row) for row in steps], False, torch.bool)
-    return grpo.process_advantages(rew, end, valid, cfg.group_size, max(len(c) for g in groups for c in g.comps))
+    return credit.process_advantages(rew, end, valid, cfg.group_size, max(len(c) for g in groups for c in g.comps))
 
 
 def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
@@ -432,31 +427,37 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     if not groups:  # every group had zero spread even after refills: nothing to learn from this step
         sched.step()
         return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
-    # 3. advantages over the global batch; this rank trains on whole groups rank, rank + world, ...
-    adv = advantages(run, groups)                                                               # [N] or [N, L]
+    # 3. this rank trains on whole groups rank, rank + world, ...; advantages over the global batch
     mine = [(k, i) for k in range(proc.rank, len(groups), proc.world) for i in range(G)]
+    ids = [k * G + i for k, i in mine]  # their global row indices
     prompts, comps = [groups[k].prompt for k, _ in mine], [groups[k].comps[i] for k, i in mine]
-    adv = torch.cat((adv[[k * G + i for k, i in mine]], adv.new_zeros(1, *adv.shape[1:]))).to(dev)  # [n + 1, ...]
     mask = pad_batch([[not (cfg.mask_truncated and groups[k].truncated[i])] * len(groups[k].comps[i])
                       for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
     sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine] + [[0.0]], 0.0, torch.float32).to(dev)
     norm = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))   # the global normaliser
     plan, old, keep, sums, maxes = rank_micro_batches(run, prompts, comps), {}, {}, {}, {}
     prompts, comps = prompts + [[0]], comps + [[0]]  # the pad row of padding passes: mask, advantage 0
+    kl_in_reward = cfg.kl_in == "reward" and cfg.beta > 0
+    pre = old_pass(run, scores, prompts, comps, plan) if cfg.top_entropy_q < 1 or cfg.cov != "none" or kl_in_reward \
+        else []
+    shift = torch.zeros(len(mine) + 1, device=dev)  # KL in the reward: −β Σ_t k1 of each row, in the global order
+    for (lp, _, ref), rows in zip(pre, plan) if kl_in_reward else ():
+        shift[rows] = credit.kl_reward(shift[rows], lp, ref, mask[rows, :lp.shape[1]], cfg.beta)
+    got = infra.all_gather_list(list(zip(ids, shift[:-1].tolist()))) if kl_in_reward else []
+    adv = advantages(run, groups, torch.tensor([v for _, v in sorted(got)]) if kl_in_reward else None)   # [N] or [N, L]
+    adv = torch.cat((adv[ids], adv.new_zeros(1, *adv.shape[1:]))).to(dev)  # [n + 1, ...]
     if cfg.top_entropy_q < 1:  # Wang et al. 2025: τ = the top-q entropy of π_old over the global batch's tokens
-        ents = []
-        with torch.no_grad():
-            for rows in plan:
-                ent = scores(run, run.model, prompts, comps, rows, cfg.temperature)[1]
-                ents.append(ent[mask[rows, :ent.shape[1]]].cpu())
+        ents = [ent[mask[rows, :ent.shape[1]]].cpu() for (_, ent, _), rows in zip(pre, plan)]
         tau = grpo.entropy_threshold(torch.cat(infra.all_gather_list(ents)), cfg.top_entropy_q).to(dev)
+    picks = cov_picks(cfg, proc.rank, pre, plan, mask, adv, step, ids) if cfg.cov != "none" else []  # Cui et al. 2025
     # 4. μ optimizer steps on this batch, each over all micro-batches
     for epoch in range(cfg.ppo_epochs):
+        losses = []  # this epoch's micro-batch losses, for the NaN guard
         for b, rows in enumerate(plan):
             logp, ent = scores(run, run.model, prompts, comps, rows, cfg.temperature)                # [n, L]
             r, Lm = torch.tensor(rows, device=dev), logp.shape[1]
             m, ref, weight, tis = mask[r, :Lm], None, None, {}
-            if cfg.beta > 0:
+            if cfg.beta > 0 and cfg.kl_in == "loss":
                 with torch.no_grad():
                     ref = scores(run, run.ref, prompts, comps, rows, cfg.temperature)[0]
             old[b] = logp.detach() if epoch == 0 else old[b]  # π_old: π_θ before this step's first update
@@ -465,11 +466,16 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             if cfg.top_entropy_q < 1:
                 keep[b] = grpo.top_entropy_mask(ent, m, tau) if epoch == 0 else keep[b]
                 weight = keep[b].float() if weight is None else weight * keep[b]
+            if cfg.cov == "clip":  # Clip-Cov: the picked tokens leave the loss (KL-Cov: |log ρ| on them, below)
+                weight = (~picks[b]).float() * (1 if weight is None else weight)
             loss, met = grpo.policy_loss(logp, old[b], adv[r, :Lm] if adv.dim() == 2 else adv[r], m, cfg.eps_low,
-                                         cfg.eps_high, ref, cfg.beta, cfg.agg, cfg.max_new_tokens, norm,
-                                         cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight)
+                                         cfg.eps_high, ref, cfg.beta * (ref is not None), cfg.agg, cfg.max_new_tokens,
+                                         norm, cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight,
+                                         cfg.tau_pos, cfg.tau_neg, cfg.kl_old, cfg.cov_kl_coef * picks[b].float()
+                                         if cfg.cov == "kl" else None)
             infra.grad_sync(run.model, b == len(plan) - 1)  # reduce-scatter once per optimizer step
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
+            losses.append(loss.detach())
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
                 gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()
                 for k, v in [("train/logprob_gap_max", gap)] + ([("train/tis_max", tis.pop("tis_max"))] if tis else []):
@@ -477,7 +483,8 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
                                    **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()}})
-        gnorm = optimizer_step(run, opt)
+        gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
+        guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
     out, top = reduced(sums), dict(zip(maxes, infra.all_max(torch.stack(list(maxes.values())))))
     n = out.pop("n").clamp(min=1)
@@ -570,13 +577,7 @@ def main(cfg: Config) -> dict:
         else:
             rec = rl_step(run, opt, sched, state, step)
         rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging
-        state.bad_steps = 0 if math.isfinite(rec["train/loss"]) and math.isfinite(rec["train/grad_norm"]) \
-            else state.bad_steps + 1
-        if state.bad_steps:
-            print(f"warning: step {step}: non-finite loss or grad norm, update skipped ({state.bad_steps} in a row)")
-            if state.bad_steps >= cfg.max_bad_steps:
-                raise RuntimeError(f"{state.bad_steps} non-finite steps in a row; the last good checkpoint is intact "
-                                   f"in {cfg.out_dir}")
+        state.bad_steps = guard.count_bad_steps(state.bad_steps, rec, step, cfg.max_bad_steps, cfg.out_dir)
         logger.log(step, stage, rec)
         if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and \
                 (step - cfg.sft_steps) % cfg.ref_update_every == 0:

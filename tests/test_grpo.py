@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import credit
 import grpo
 
 AGGS = grpo.AGGS
@@ -45,91 +46,22 @@ def slow_loss(logp, old, ref, mask, adv, eps_low, eps_high, beta, agg, max_len=N
     return sum(all_tok) / (n * (max_len or length))
 
 
-# ---------------------------------------------------------------- advantages
+# ---------------------------------------------------------------- process supervision
 
-def test_worked_example_advantages():
-    for r in ([1.0, 0, 0, 1], [0.0, 0, 1, 1]):
-        a = grpo.group_advantages(torch.tensor(r), 4, eps=1e-8)
-        expect = [0.8660254 if x == 1 else -0.8660254 for x in r]
-        torch.testing.assert_close(a, torch.tensor(expect), rtol=0, atol=1e-6)
-    # two prompts in one batch, prompt-major
-    a = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 0, 1, 1]), 4, eps=1e-8)
-    torch.testing.assert_close(a.abs(), torch.full((8,), 0.8660254), rtol=0, atol=1e-6)
-
-
-def test_scale_batch_and_none_by_hand():
-    r = torch.tensor([1.0, 0.0, 0.0, 0.0])  # groups [1, 0] and [0, 0], G = 2
-    none = grpo.group_advantages(r, 2, scale="none")
-    assert none.tolist() == [0.5, -0.5, 0.0, 0.0]
-    # batch std (Bessel) of [1, 0, 0, 0] = sqrt(0.75 / 3) = 0.5
-    batch = grpo.group_advantages(r, 2, scale="batch", eps=0.0)
-    torch.testing.assert_close(batch, torch.tensor([1.0, -1.0, 0.0, 0.0]))
-    # group std of [1, 0] = sqrt(0.5)
-    group = grpo.group_advantages(r, 2, eps=0.0)
-    torch.testing.assert_close(group, torch.tensor([0.5, -0.5, 0, 0]) / math.sqrt(0.5))
-
+# ---------------------------------------------------------------- clipped surrogate
 
 def test_equal_groups_zero_advantage_and_finite_loss():
     r = torch.tensor([0.1, 0.1, 0.1, 1.0, 1.0, 1.0])
     for scale in ("group", "batch", "none"):
-        assert torch.equal(grpo.group_advantages(r, 3, scale=scale), torch.zeros(6))
-        assert torch.equal(grpo.group_advantages(r, 1, scale=scale), torch.zeros(6))  # G = 1
-    assert torch.equal(grpo.group_advantages(torch.tensor([2.0]), 1, scale="batch"), torch.zeros(1))
+        assert torch.equal(credit.group_advantages(r, 3, scale=scale), torch.zeros(6))
+        assert torch.equal(credit.group_advantages(r, 1, scale=scale), torch.zeros(6))  # G = 1
+    assert torch.equal(credit.group_advantages(torch.tensor([2.0]), 1, scale="batch"), torch.zeros(1))
     logp, old, ref, mask, _ = ragged_batch()
-    adv = grpo.group_advantages(r, 3).double()
+    adv = credit.group_advantages(r, 3).double()
     for agg in AGGS:
         loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, agg=agg)
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
 
-
-def test_keep_groups():
-    r = torch.tensor([0.0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0])  # none, some, all, some correct
-    assert grpo.keep_groups(r, 3).tolist() == [False, True, False, True]
-
-
-def test_overlong_penalty_boundaries():
-    lengths = torch.tensor([0, 12, 16, 17, 18, 20, 21, 100])  # max_len 20, cache 4: ramp over (16, 20]
-    got = grpo.overlong_penalty(lengths, max_len=20, cache_len=4)
-    torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
-    # no cache: a hard cut at max_len
-    assert grpo.overlong_penalty(torch.tensor([20, 21]), 20, 0).tolist() == [0.0, -1.0]
-
-
-# ---------------------------------------------------------------- process supervision
-
-def test_process_advantages_hand_example():
-    # one prompt, G = 2, L = 5; row 0 has steps ending at tokens 1 and 3, row 1 one step ending at 2
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 9.0]])
-    ends = torch.tensor([[1, 3], [2, 0]])
-    smask = torch.tensor([[True, True], [True, False]])
-    got = grpo.process_advantages(rewards, ends, smask, group_size=2, length=5, eps=0.0)
-    # steps {1, 0, 0}: mean 1/3, Bessel std sqrt(1/3) -> normalised 2/sqrt(3) and -1/sqrt(3)
-    hi, lo = 2 / math.sqrt(3), -1 / math.sqrt(3)
-    expect = torch.tensor([[hi + lo, hi + lo, lo, lo, 0.0], [lo, lo, lo, 0.0, 0.0]])
-    torch.testing.assert_close(got, expect)
-
-
-def test_process_advantages_naive_loop():
-    g = torch.Generator().manual_seed(1)
-    n, k, length, group = 6, 4, 9, 3
-    rewards = torch.randn(n, k, generator=g)
-    ends = torch.randint(0, length + 2, (n, k), generator=g)  # some ends past L: they cover every token
-    smask = torch.rand(n, k, generator=g) > 0.3
-    got = grpo.process_advantages(rewards, ends, smask, group, length, eps=1e-4)
-    expect = torch.zeros(n, length)
-    for p in range(n // group):
-        rows = range(p * group, (p + 1) * group)
-        vals = [float(rewards[i, j]) for i in rows for j in range(k) if smask[i, j]]
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        for i in rows:
-            for t in range(length):
-                expect[i, t] = sum((float(rewards[i, j]) - mean) / (std + 1e-4)
-                                   for j in range(k) if smask[i, j] and ends[i, j] >= t)
-    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------- clipped surrogate
 
 def one_token(ratios, adv, **kw):
     # one valid token per row, logp chosen so that exp(logp - old) is the given ratio
@@ -305,11 +237,11 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="seq_mean"):
         grpo.policy_loss(logp, old, adv, mask, agg="seq_mean")
     with pytest.raises(ValueError, match="'std'"):
-        grpo.group_advantages(torch.zeros(4), 2, scale="std")
+        credit.group_advantages(torch.zeros(4), 2, scale="std")
     with pytest.raises(ValueError, match="not divisible"):
-        grpo.group_advantages(torch.zeros(5), 2)
+        credit.group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="rewards must be 1-d"):
-        grpo.keep_groups(torch.zeros(2, 2), 2)
+        credit.keep_groups(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="old_logp"):
         grpo.policy_loss(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="mask"):
@@ -327,46 +259,13 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="ref_logits"):
         grpo.exact_kl(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="cache_len"):
-        grpo.overlong_penalty(torch.zeros(2), 10, 11)
+        credit.overlong_penalty(torch.zeros(2), 10, 11)
     with pytest.raises(ValueError, match="group_size"):
-        grpo.process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
+        credit.process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
                                 torch.ones(3, 2, dtype=torch.bool), 2, 5)
 
 
 # ---------------------------------------------------------------- newer objectives: RLOO, REINFORCE++
-
-def test_rloo_advantages_loop_and_edges():
-    g = torch.Generator().manual_seed(5)
-    for group in (2, 3, 5):
-        r = torch.randint(0, 3, (4 * group,), generator=g).float()
-        r[:group] = 1.0  # one zero-spread group
-        got = grpo.group_advantages(r, group, scale="rloo")
-        for i in range(len(r)):
-            others = [float(r[j]) for j in range(len(r)) if j // group == i // group and j != i]
-            assert got[i].item() == pytest.approx(float(r[i]) - sum(others) / len(others), abs=1e-6)
-        assert torch.equal(got[:group], torch.zeros(group))  # exact zeros, not ulps
-    assert grpo.group_advantages(torch.tensor([1.0, 0.0]), 2, scale="rloo").tolist() == [1.0, -1.0]
-    assert torch.equal(grpo.group_advantages(torch.tensor([1.0, 0.0, 3.0]), 1, scale="rloo"), torch.zeros(3))
-
-
-def test_reinforce_pp_advantages_token_weighted_loop():
-    g = torch.Generator().manual_seed(6)
-    r = torch.randint(0, 2, (12,), generator=g).float()
-    r[4:8] = 1.0  # a zero-spread group: 0 after the baseline, −mean/std after the batch whitening
-    lengths = torch.randint(0, 9, (12,), generator=g)
-    lengths[3] = 0  # an all-padding row carries no token, so it does not move the batch statistics
-    got = grpo.group_advantages(r, 4, scale="reinforce_pp", lengths=lengths, eps=0.0)
-    centred = [float(r[i]) - sum(float(r[j]) for j in range(12) if j // 4 == i // 4) / 4 for i in range(12)]
-    tokens = [centred[i] for i in range(12) for _ in range(int(lengths[i]))]  # one entry per token
-    mean = sum(tokens) / len(tokens)
-    std = math.sqrt(sum((a - mean) ** 2 for a in tokens) / len(tokens))
-    torch.testing.assert_close(got, torch.tensor([(a - mean) / std for a in centred]))
-    # every group zero-spread: exact zeros, not 0/0
-    same = grpo.group_advantages(torch.ones(8), 4, scale="reinforce_pp", lengths=torch.full((8,), 3))
-    assert torch.equal(same, torch.zeros(8))
-    with pytest.raises(ValueError, match="lengths"):
-        grpo.group_advantages(r, 4, scale="reinforce_pp")
-
 
 # ---------------------------------------------------------------- GSPO, CISPO, dual-clip, k1/k2/k3, pg_weight
 
@@ -418,6 +317,11 @@ OPTIONS = [dict(ratio_level="sequence"), dict(ratio_level="sequence", eps_low=3e
            dict(dual_clip=1.5), dict(kl="k1", beta=0.1), dict(kl="k2", beta=0.1), dict(kl="k3", beta=0.1),
            dict(weight=True, eps_high=0.28),
            dict(pg_loss="cispo", ratio_level="sequence", beta=0.05, kl="k2", weight=True)]
+OPTIONS_2026 = [dict(pg_loss="dppo_tv", eps_low=0.05, eps_high=0.05), dict(pg_loss="dppo_kl", eps_low=0.02,
+                eps_high=0.02), dict(pg_loss="sapo"), dict(pg_loss="sapo", tau_pos=0.5, tau_neg=3.0),
+                dict(pg_loss="gmpo", eps_low=0.4, eps_high=0.4), dict(pg_loss="gmpo", eps_low=0.1, eps_high=0.2),
+                dict(kl_old=0.3, abs_kl=True),
+                dict(pg_loss="dppo_tv", eps_low=0.1, eps_high=0.1, kl_old=0.1, weight=True)]
 
 
 def weights_for(mask, seed=7):
@@ -430,6 +334,7 @@ def grpo_kwargs(opts, mask):
     kw = {k: v for k, v in opts.items() if k not in ("kl", "weight")}
     kw["kl_estimator"] = opts.get("kl", "k3")
     kw["pg_weight"] = weights_for(mask) if opts.get("weight") else None
+    kw["abs_kl"] = weights_for(mask, seed=11) * 0.5 if opts.get("abs_kl") else None  # KL-Cov's β on some tokens
     return kw
 
 
@@ -509,7 +414,7 @@ def test_tis_weights_loop(level, mode):
         for t in ts:
             w = seq if level == "sequence" else math.exp(float(old[i, t] - sampler[i, t]))
             out = w < 1 / cap or w > cap if mode == "mask" else w > cap
-            expect[i, t] = (0.0 if out else w) if mode == "mask" else min(w, cap)
+            expect[i, t] = min(w, cap) if mode == "truncate" else 0.0 if out else w
             raw.append(w)
             cut += out
     assert got.dtype == torch.float32 and not got.requires_grad
@@ -519,7 +424,7 @@ def test_tis_weights_loop(level, mode):
     assert m["tis_cut"].item() == pytest.approx(cut / len(raw)) and 0 < cut < len(raw)
     # a sequence's product overflowing float32: truncation gives C, the mask gives 0, never inf or NaN
     huge, _ = grpo.tis_weights(torch.full((1, 3), 50.0), torch.zeros(1, 3), torch.ones(1, 3), level, mode, cap)
-    assert torch.equal(huge, torch.full((1, 3), 0.0 if mode == "mask" else cap))
+    assert torch.equal(huge, torch.full((1, 3), cap if mode == "truncate" else 0.0))
 
 
 # ---------------------------------------------------------------- top-entropy mask
@@ -551,7 +456,7 @@ def test_entropy_threshold_ties_and_loop():
 # ---------------------------------------------------------------- partition invariance
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("opts", OPTIONS + [dict(tis="sequence", entropy_q=0.5)], ids=lambda o: "-".join(
+@pytest.mark.parametrize("opts", OPTIONS + OPTIONS_2026 + [dict(tis="sequence", entropy_q=0.5)], ids=lambda o: "-".join(
     f"{k}={v}" for k, v in o.items()))
 def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
     """Micro-batches [0:2] [2:3] [3:6], and 2 "ranks" (rows 0-2 and 3-5, each in 2 micro-batches): the summed
@@ -563,6 +468,7 @@ def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
     ent = torch.rand(6, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64).round(decimals=1)
     kw = grpo_kwargs({k: v for k, v in opts.items() if k not in ("tis", "entropy_q")}, mask)
     full_w = kw.pop("pg_weight")
+    full_k = kw.pop("abs_kl")
     tau = grpo.entropy_threshold(torch.cat([ent[:3][mask[:3]], ent[3:][mask[3:]]]), opts.get("entropy_q", 1.0))
 
     def run(parts):
@@ -575,7 +481,8 @@ def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
                 w = grpo.tis_weights(old[s], sampler[s], mask[s], opts["tis"], "truncate", 2.0)[0].double()
                 w = w * grpo.top_entropy_mask(ent[s], mask[s], tau)
             part, _ = grpo.policy_loss(leaf[s], old[s], adv[s], mask[s], ref_logp=ref[s], agg=agg, max_len=11,
-                                       loss_scale=scale if len(parts) > 1 else None, pg_weight=w, **kw)
+                                       loss_scale=scale if len(parts) > 1 else None, pg_weight=w,
+                                       abs_kl=None if full_k is None else full_k[s], **kw)
             part.backward()
             total = total + part.detach()
         return total, leaf.grad
@@ -603,10 +510,177 @@ def test_new_options_bad_input_raises():
     with pytest.raises(ValueError, match="pg_weight"):
         grpo.policy_loss(logp, old, adv, mask, pg_weight=mask[:, :3])
     with pytest.raises(ValueError, match="'reinforce'"):
-        grpo.group_advantages(torch.zeros(4), 2, scale="reinforce")
+        credit.group_advantages(torch.zeros(4), 2, scale="reinforce")
     with pytest.raises(ValueError, match="cap 0.5"):
         grpo.tis_weights(old, old, mask, cap=0.5)
     with pytest.raises(ValueError, match="mode 'clip'"):
         grpo.tis_weights(old, old, mask, mode="clip")
     with pytest.raises(ValueError, match="sampler_logp"):
         grpo.tis_weights(old, old[:, :3], mask)
+
+
+# ---------------------------------------------------------------- 2026 objectives: DPPO, SAPO, GMPO, kl_old, KL-Cov
+
+def loop_2026(logp, old, mask, adv, pg_loss, eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=1.05, kl_old=0.0,
+              abs_kl=None, weight=None, agg="seq_mean_token_mean", max_len=None):
+    """A per-token loop on 0-d float64 tensors, from the papers' forms; returns (loss for the gradient, value).
+    DPPO: −M sg(min(ρ, 20)) Â log π (value −M sg(min(ρ, 20)) Â); SAPO: −4/τ σ(τ(ρ − 1)) Â;
+    GMPO: −Â_i (Π_t ρ̃_t)^(1/|o_i|) with ρ̃_t the pessimistic of ρ_t and its e^[−ε_low, ε_high] clip, put on
+    each of the row's tokens."""
+    n, length = logp.shape
+    rows, toks, rows_v, toks_v = [], [], [], []
+    for i in range(n):
+        ts = [t for t in range(length) if mask[i, t]]
+        a = adv[i]
+        if pg_loss == "gmpo":
+            logs = []
+            for t in ts:
+                x = logp[i, t] - old[i, t]
+                c = torch.clamp(x, -eps_low, eps_high)
+                logs.append(torch.minimum(x, c) if a > 0 else torch.maximum(x, c) if a < 0 else 0 * x)
+            geo = torch.exp(sum(logs) / len(ts)) if ts else None
+        row, row_v = [], []
+        for t in ts:
+            r = torch.exp(logp[i, t] - old[i, t])
+            if pg_loss in ("dppo_tv", "dppo_kl"):
+                p, q = math.exp(logp[i, t].item()), math.exp(old[i, t].item())
+                if pg_loss == "dppo_tv":
+                    out = p - q > eps_high if a > 0 else p - q < -eps_low
+                else:
+                    bkl = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+                    out = (p > q and bkl > eps_high) if a > 0 else (p < q and bkl > eps_low)
+                w = 0.0 if out else min(float(r), 20.0)
+                sur, sur_v = w * a * logp[i, t], (w * a).detach()
+            elif pg_loss == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                sur = sur_v = 4 / tau * torch.sigmoid(tau * (r - 1)) * a
+            elif pg_loss == "gmpo":
+                sur = sur_v = a * geo
+            else:
+                sur = sur_v = torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+            wt = 1.0 if weight is None else float(weight[i, t])
+            extra = kl_old * (logp[i, t] - old[i, t]) ** 2 / 2
+            if abs_kl is not None:
+                extra = extra + float(abs_kl[i, t]) * torch.abs(logp[i, t] - old[i, t])
+            row.append(-wt * sur + extra)
+            row_v.append(-wt * sur_v + extra)
+        for out_, lst in ((rows, row), (rows_v, row_v)):
+            if lst:
+                out_.append(sum(lst) / len(lst))
+        toks += row
+        toks_v += row_v
+
+    def agg_of(r, t):
+        if agg == "token_mean":
+            return sum(t) / len(t)
+        if agg == "seq_mean_token_mean":
+            return sum(r) / len(r)
+        return sum(t) / (n * (max_len or length))
+    return agg_of(rows, toks), agg_of(rows_v, toks_v)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("opts", OPTIONS_2026, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_2026_objectives_match_loop(agg, opts):
+    logp, old, ref, mask, adv = ragged_batch()
+    old = logp + 2 * (old - logp)  # ratios in [0.5, 6.6]: every trust region binds somewhere
+    logp.requires_grad_()
+    kw = grpo_kwargs(opts, mask)
+    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    g_got, = torch.autograd.grad(loss, logp)
+    lkw = {k: v for k, v in opts.items() if k not in ("weight", "abs_kl", "pg_loss")}
+    for_grad, value = loop_2026(logp, old, mask, adv, opts.get("pg_loss", "clip"), weight=kw["pg_weight"],
+                                abs_kl=kw["abs_kl"], agg=agg, max_len=11, **lkw)
+    g_ref, = torch.autograd.grad(for_grad, logp)
+    assert loss.item() == pytest.approx(value.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-10, atol=1e-14)
+    assert torch.isfinite(g_got).all() and (g_got[~mask] == 0).all() and g_got.abs().sum() > 0
+    bad = logp.detach().masked_fill(~mask, -math.inf).requires_grad_()  # garbage under the padding is inert
+    loss_bad, _ = grpo.policy_loss(bad, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    torch.testing.assert_close(loss_bad, loss.detach())
+    torch.testing.assert_close(torch.autograd.grad(loss_bad, bad)[0], g_got)
+    if opts.get("pg_loss", "").startswith(("dppo", "gmpo")):
+        assert 0 < m["clip_low"] + m["clip_high"] < 1  # the trust region masks some tokens, not all
+
+
+def test_2026_objectives_by_hand():
+    f64 = dict(dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # DPPO-TV, δ = 0.1: π_old 0.5 → π_θ 0.7 (+0.2, out for Â > 0: no gradient) and 0.5 → 0.55 (+0.05, kept):
+    # the kept token's gradient is −sg(ρ)·Â/2 = −1.1/2 with token_mean; value −(0 + 1.1)/2
+    old = torch.tensor([[0.5, 0.5]], **f64).log()
+    logp = torch.tensor([[0.7, 0.55]], **f64).log().requires_grad_()
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+                               pg_loss="dppo_tv")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.1 / 2) and m["clip_high"] == 0.5 and m["clip_low"] == 0
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 / 2]], **f64))
+    # the same move with Â < 0 is kept (it pushes π_θ back): both tokens have gradient ρ·|Â|/2
+    logp.grad = None
+    grpo.policy_loss(logp, old, torch.tensor([-1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+                     pg_loss="dppo_tv")[0].backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[1.4 / 2, 1.1 / 2]], **f64))
+    # DPPO-KL, δ = 0.05: binary KL of 0.5 → 0.7 is 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 > δ (masked);
+    # 0.5 → 0.55: 0.00501 < δ (kept)
+    logp.grad = None
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.05, 0.05, agg="token_mean",
+                               pg_loss="dppo_kl")
+    assert m["clip_high"] == 0.5 and loss.item() == pytest.approx(-1.1 / 2)
+    # SAPO at ρ = 1: value 4/τ · ½ · Â = 2Â/τ, gradient exactly Â (4σ(1 − σ) = 1); τ_pos for Â > 0, τ_neg else
+    zeros = torch.zeros(1, 2, **f64)
+    lp = zeros.clone().requires_grad_()
+    loss, _ = grpo.policy_loss(lp, zeros, torch.tensor([[2.0, -1.0]], **f64), mask, agg="token_mean",
+                               pg_loss="sapo", tau_pos=0.5, tau_neg=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2 * 2 / 0.5 + 2 * -1 / 2.0) / 2)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1.0, 0.5]], **f64))
+    # GMPO, ε = 0.4, Â = 1: log-ratios 0.1 and 0.6 (clipped to 0.4) → value e^((0.1 + 0.4)/2) = e^0.25; only the
+    # unclipped token carries the gradient, −e^0.25/2
+    lp = torch.tensor([[0.1, 0.6]], **f64).requires_grad_()
+    loss, m = grpo.policy_loss(lp, zeros, torch.tensor([1.0], **f64), mask, 0.4, 0.4, pg_loss="gmpo")
+    loss.backward()
+    assert loss.item() == pytest.approx(-math.exp(0.25)) and m["clip_high"] == 0.5
+    torch.testing.assert_close(lp.grad, torch.tensor([[-math.exp(0.25) / 2, 0.0]], **f64))
+    # kl_old = 1 and abs_kl = 2 at log-ratio 0.3 with Â = 0: value 0.3²/2 + 2·0.3, gradient 0.3 + 2
+    lp = torch.tensor([[0.3]], **f64).requires_grad_()
+    loss, _ = grpo.policy_loss(lp, zeros[:, :1], torch.zeros(1, **f64), mask[:, :1], kl_old=1.0,
+                               abs_kl=torch.full((1, 1), 2.0, **f64))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.045 + 0.6) and lp.grad.item() == pytest.approx(2.3)
+    with pytest.raises(ValueError, match="gmpo takes token ratios"):
+        grpo.policy_loss(lp, zeros[:, :1], torch.zeros(1, **f64), mask[:, :1], pg_loss="gmpo", ratio_level="sequence")
+
+
+def test_cov_select_by_hand_and_loop():
+    # 4 valid tokens (one row padded): Â = [1, 1, −1, −1] centred is itself, log π_old = [−1, −3, −1, −3] centred
+    # [1, −1, 1, −1] → cov = [1, −1, −1, 1]; KL-Cov's top half is tokens 0 and 3 (ties: the earlier first)
+    old = torch.tensor([[-1.0, -3.0, 9.0], [-1.0, -3.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = torch.tensor([1.0, -1.0])
+    assert grpo.cov_select(old, adv, mask, "kl", 0.5).tolist() == [[True, False, False], [False, True, False]]
+    assert grpo.cov_select(old, adv, mask, "kl", 0.25).tolist() == [[True, False, False], [False, False, False]]
+    # Clip-Cov, band (0.5, 2): candidates 0 and 3; frac 0.25 draws one of them, never a token outside the band
+    for seed in range(6):
+        got = grpo.cov_select(old, adv, mask, "clip", 0.25, 0.5, 2.0, torch.Generator().manual_seed(seed))
+        assert got.sum() == 1 and (got[0, 0] or got[1, 1]) and not got[~mask].any()
+    assert grpo.cov_select(old, adv, mask, "clip", 1.0, 0.5, 2.0).sum() == 2  # k = 4 > 2 candidates: both
+    assert not grpo.cov_select(old, adv, mask, "clip", 1.0, 5.0, 9.0).any()  # nobody in the band
+    # against a loop on a random batch: the k largest covariances
+    logp, _, _, valid, a = ragged_batch()
+    toks = [(i, t) for i in range(6) for t in range(7) if valid[i, t]]
+    ma = sum(float(a[i]) for i, _ in toks) / len(toks)
+    ml = sum(float(logp[i, t]) for i, t in toks) / len(toks)
+    cov = {(i, t): (float(a[i]) - ma) * (float(logp[i, t]) - ml) for i, t in toks}
+    top = sorted(toks, key=lambda x: -cov[x])[:int(0.2 * len(toks))]
+    got = grpo.cov_select(logp, a, valid, "kl", 0.2)
+    assert sorted(map(tuple, got.nonzero().tolist())) == sorted(top)
+    with pytest.raises(ValueError, match="cov mode"):
+        grpo.cov_select(logp, a, valid, "top", 0.2)
+
+
+def test_entropy_threshold_keeps_the_input_dtype():
+    # float64 entropies tied at 0.1: a float32 τ (0.10000000149) would sit above them and drop the tie
+    h = torch.tensor([0.3, 0.1, 0.1, 0.0], dtype=torch.float64)
+    tau = grpo.entropy_threshold(h, 0.5)
+    assert tau.dtype == torch.float64 and tau.item() == 0.1
+    assert grpo.top_entropy_mask(h[None], torch.ones(1, 4), tau).sum() == 3

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import credit
 import grpo
 import oracle
 
@@ -59,7 +60,9 @@ def test_sequence_is_with_no_cap_is_unbiased_under_a_mismatched_sampler(task):
 
 
 @pytest.mark.parametrize("kw", [{}, dict(ratio_level="sequence"), dict(pg_loss="cispo"), dict(dual_clip=3.0),
-                                dict(eps_low=3e-4, eps_high=4e-4)])
+                                dict(eps_low=3e-4, eps_high=4e-4), dict(pg_loss="dppo_tv", eps_low=0.01, eps_high=0.01),
+                                dict(pg_loss="dppo_kl"), dict(pg_loss="sapo", tau_pos=0.3, tau_neg=3.0),
+                                dict(pg_loss="gmpo", eps_low=0.4, eps_high=0.4), dict(kl_old=0.5)])
 def test_surrogates_at_ratio_one_are_the_plain_policy_gradient(task, kw):
     """μ = 1: E[ĝ] of the clipped (or GSPO / CISPO / dual-clip) surrogate = the gradient of
     Σ_b P(b) · 1/G Σ_i Â_i · 1/|o_i| Σ_t log π_θ(o_i,t) / P with the same GRPO advantages, by plain autograd."""
@@ -68,7 +71,7 @@ def test_surrogates_at_ratio_one_are_the_plain_policy_gradient(task, kw):
     prompt, comp, weight, _, scale = oracle.exact_batches(task, task.theta, group)
     th = task.theta.clone().requires_grad_()
     logp = oracle.token_logp(th, task)[prompt, comp]  # [B, G, H]
-    adv = grpo.group_advantages(task.reward[prompt, comp].reshape(-1), group).view(-1, group).double()
+    adv = credit.group_advantages(task.reward[prompt, comp].reshape(-1), group).view(-1, group).double()
     per_row = logp.sum(-1) / task.mask[comp].sum(-1)  # 1/|o_i| Σ_t log π
     surrogate = (scale * weight * (adv * per_row).mean(1)).sum()
     expect, = torch.autograd.grad(surrogate, th)
@@ -99,3 +102,14 @@ def test_kl_estimator_identities(task):
     assert by["k1"][4] < 1e-9  # k1 as a loss term: E[∇] = E[Σ_t ∇log π] = 0
     assert by["k1 in the reward"][3] == pytest.approx(1.0, abs=1e-9)  # REINFORCE on the KL: E[∇] = ∇KL
     assert by["k1 in the reward"][4] == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_maxrl_prompt_weights_closed_form(task, group):
+    """MaxRL's Â_i = G r_i / K − 1 (K ≥ 1 successes; 0 when K = 0) gives E[ĝ_p] = c_p ∇p with
+    c_p = (1 − (1 − p)^G) / p − (1 − p)^(G − 1): the first term is E[1{K ≥ 1}] ∇p / p, the second the mean
+    baseline's share of the K = 0 outcomes, which are zeroed. So the hardest prompt weighs most, bounded by G."""
+    mean, true = exact_mean(dict(adv="maxrl", **oracle.SUM), task, group=group)
+    p = (oracle.seq_logp(task.theta, task).exp() * task.reward).sum(1)
+    c = (1 - (1 - p) ** group) / p - (1 - p) ** (group - 1)
+    torch.testing.assert_close(mean.view(task.P, -1), c[:, None] * true.view(task.P, -1), rtol=1e-3, atol=1e-9)

@@ -60,6 +60,15 @@ def test_objective_names_the_paper():
     assert train.objective(train.Config()).startswith("DAPO")
     assert train.objective(train.Config(agg="seq_mean_token_mean", eps_high=0.2, beta=0.04)).startswith("GRPO")
     assert train.objective(train.Config(adv_scale="none", agg="seq_mean_token_sum_norm")).startswith("Dr. GRPO")
+    for preset, name in [("dppo", "DPPO-TV"), ("maxrl", "MaxRL"), ("sapo", "SAPO"), ("gmpo", "GMPO")]:
+        assert train.objective(train.parse_args(["--config", os.path.join(ROOT, "configs", f"{preset}.toml")])
+                               ).startswith(name + ":"), preset
+    # a sequence ratio without seq_mean_token_mean is not GSPO's eq. 5, and the name says so
+    assert train.objective(train.Config(ratio_level="sequence")).startswith("sequence-ratio clip, not GSPO")
+    assert "0.04·k3 [∇ → ∇KL(π_ref‖π_θ)]" in train.objective(train.Config(beta=0.04))
+    assert "r_i ← r_i − 0.04·Σ_t k1" in train.objective(train.Config(beta=0.04, kl_in="reward"))
+    assert "k3" not in train.objective(train.Config(beta=0.04, kl_in="reward"))
+    assert train.objective(train.Config(cov="kl")).startswith("DAPO + KL-Cov")
 
 
 def test_micro_batches_respect_budget_and_pad():
@@ -145,7 +154,11 @@ def run_cli(args, nproc=1, timeout=300):
                        "--kl_estimator=k2"]),  # whitening over the global batch's tokens, τ over its entropies
     ("seq_mean_token_mean", 3, ["--ratio_level=sequence", "--pg_loss=clip", "--adv_scale=rloo", "--tis=token",
                                 "--tis_mode=mask", "--reward=process"]),
-    ("token_mean", 1, ["--pg_loss=cispo", "--eps_low=1.0", "--kl_estimator=k1"])])
+    ("token_mean", 1, ["--pg_loss=cispo", "--eps_low=1.0", "--kl_estimator=k1"]),
+    ("token_mean", 3, ["--pg_loss=dppo_tv", "--eps_low=0.01", "--eps_high=0.01", "--kl_old=0.1", "--kl_in=reward",
+                       "--cov=kl", "--cov_frac=0.1"]),  # KL in the reward and KL-Cov's picks over the global batch
+    ("seq_mean_token_mean", 3, ["--pg_loss=gmpo", "--eps_low=0.1", "--eps_high=0.1", "--cov=clip", "--cov_frac=0.2",
+                                "--cov_low=-100", "--cov_high=100"])])  # Clip-Cov's random draw, rank-invariant
 def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
     """The same global batch on 2 gloo ranks (FSDP2) and on 1 rank: same rewards, losses and weights. With P = 3
     the ranks hold 2 and 1 groups, with P = 1 rank 1 holds none and runs padding passes only."""
@@ -206,6 +219,42 @@ def test_non_finite_steps_skip_then_stop_with_checkpoint_intact(tmp_path, monkey
     assert infra.complete_checkpoints(out) == [2]  # steps 3-5 were skipped, nothing bad was saved
     m = Transformer.from_pretrained(out / "step_2")
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_nan_loss_with_finite_gradient_skips_the_rl_step_names_its_rows_and_stops(tmp_path, monkeypatch, capsys):
+    """A NaN loss VALUE whose gradient is finite (loss + NaN constant) from the 2nd RL step on, in micro-batch 1:
+    the optimizer must not step on it (before the guard it did, the gradient norm being finite), the console names
+    the step, micro-batch and rows, train/bad_steps counts it, and after max_bad_steps the run stops with the last
+    good checkpoint on disk."""
+    real, seen, steps = train.grpo.policy_loss, {"step": 0, "b": 0}, {"n": 0}
+    real_rl, real_step = train.rl_step, torch.optim.AdamW.step
+
+    def rl_step(run, opt, sched, state, step):
+        seen["step"], seen["b"] = step, 0
+        return real_rl(run, opt, sched, state, step)
+
+    def poisoned(*a, **kw):
+        loss, met = real(*a, **kw)
+        seen["b"] += 1
+        return (loss + float("nan") if seen["step"] >= 4 and seen["b"] == 2 else loss), met
+
+    def counted(self, *a, **kw):
+        steps["n"] += 1
+        return real_step(self, *a, **kw)
+    monkeypatch.setattr(train, "rl_step", rl_step)
+    monkeypatch.setattr(train.grpo, "policy_loss", poisoned)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    out = tmp_path / "nan_rl"
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--sft_steps=2", "--rl_steps=4", "--ckpt_every=1",
+                            "--overlong_buffer=20", "--micro_batch_tokens=200", "--max_bad_steps=2", "--eval_every=0"])
+    with pytest.raises(RuntimeError, match="2 non-finite steps in a row"):
+        train.main(cfg)
+    assert steps["n"] == 3  # 2 SFT steps and RL step 3; steps 4 and 5 were skipped
+    assert infra.complete_checkpoints(out) == [2, 3]
+    text = capsys.readouterr().out
+    assert "step 4, rank 0: non-finite loss in micro-batch 1 (epoch 0), rows " in text and "step 5, rank 0" in text
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [(r["step"], r["train/bad_steps"]) for r in recs if "train/bad_steps" in r] == [(4, 1)]
 
 
 class FakeRun:

@@ -18,7 +18,6 @@ Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its 
 import bisect
 import dataclasses
 import itertools
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+import checks
 import cli
 import grpo
 import infra
@@ -51,6 +51,7 @@ class Config:
     threads: int = 0                    # CPU threads per rank (0: torch's default); oversubscription is costly
     wandb_mode: str = "auto"            # auto: $WANDB_MODE if set, else online if logged in, else offline
     wandb_project: str = "grpo-from-scratch"
+    print_config: str = "changed"       # the config printed at the start: changed (fields off their defaults) | all
     # --- fresh model (Llama-style; ignored with init_from)
     n_layers: int = 4
     hidden_size: int = 128
@@ -139,11 +140,11 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
-        "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "adv_scale": grpo.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"), "sft_flaw": tasks.FLAWS,
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
-        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES,
-        "save_dtype": ("", "float32", "bfloat16", "float16"), "sft_flaw": tasks.FLAWS}
+        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "print_config": ("changed", "all"),
+        "save_dtype": ("", "float32", "bfloat16", "float16")}
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -212,6 +213,7 @@ class Group:
 def build_run(cfg: Config) -> Run:
     """Join the processes, build or load the policy (sharded; float32, its folder's dtype and files kept for step_N/)
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
+    checks.check(cfg)  # every setting and file first, each mistake one line (cli.UserError), before anything loads
     proc = infra.setup(cfg.device, cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
@@ -429,6 +431,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     groups, stats = dynamic_sampling(run, state, step)
     t1 = time.time()
     if not groups:  # every group had zero spread even after refills: nothing to learn from this step
+        opt.step()  # no gradients, so no update: the schedule still advances, after a step as torch expects
         sched.step()
         return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
     # 3. advantages over the global batch; this rank trains on whole groups rank, rank + world, ...
@@ -543,8 +546,7 @@ def main(cfg: Config) -> dict:
     logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project,
                           latest, total)
     if run.proc.rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in run.model.parameters()):,} "
-              f"parameters, world size {run.proc.world}, device {run.proc.device}\nobjective: {objective(cfg)}")
+        print(cli.banner(cfg, objective(cfg), run.model, run.proc), flush=True)
     opt, stage, results, rl_t0 = None, None, {}, time.time()
     if not latest:  # the baseline: every curve starts from the checkpoint it trains
         logger.log(0, "base", results.setdefault("base", evaluate(run, 0, logger)))
@@ -593,5 +595,5 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args(sys.argv[1:]))
+    cli.run_main(main, parse_args(sys.argv[1:]))
     infra.teardown()

@@ -113,13 +113,17 @@ def draw(data: dict, kind: str, out: str, title: str):
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl) or metrics.jsonl files")
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--kind", choices=sorted(PANELS), default="eval")
     ap.add_argument("--title", default="", help="a line above the panels")
-    args = ap.parse_args()
+    return ap
+
+
+if __name__ == "__main__":
+    args = parser().parse_args()
     data = collect(args.runs, args.kind)
     if not data:
         raise SystemExit(f"error: none of the runs logged {' or '.join(k for k, _ in PANELS[args.kind])}")

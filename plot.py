@@ -99,8 +99,8 @@ def draw(data: dict, kind: str, out: str, title: str):
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
         if kind == "eval" and "demo" in data and data["demo"][key][0]:
             ax.axvline(800, color="grey", ls=":", lw=1)
-            ax.annotate("demo: RL from here", (800, 0.02), xytext=(6, 0), textcoords="offset points", fontsize=8,
-                        color="grey")
+            ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points", fontsize=8,
+                        color="grey", ha="center")
         ax.set_xlabel("training step (SFT, then RL)" if kind == "eval" else "RL step")
         ax.set_ylabel(label)
         ax.set_ylim(0, 1.02)

@@ -121,6 +121,7 @@ def test_files_a_config_names(tmp_path, hf_folder):
             checks.check_files(train.Config(init_from=str(copy)))
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_and_bugs_keep_tracebacks(tmp_path, hf_folder, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?", "answer": "2\\n#### 2"}\n{"question": oops}\n')

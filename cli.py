@@ -5,15 +5,24 @@
   3. --key=value, --key value, or a bare --flag for true,
 each value coerced to its field's type (an int where a float is expected is fine). An unknown key, a value of the
 wrong type or one outside the field's CHOICES stops with an error naming the key and the file or the command line
-it came from, and suggests the closest key.
+it came from, and suggests the closest key. A run starts with banner(): its config as aligned `key = value` lines.
+A user's mistake (a setting, a path, a data line, a checkpoint) raises UserError: run_main prints one line, exits 1.
 
   python train.py --config configs/smoke.toml --rl_steps=8 --beta 0.04 --resume
 """
 import contextlib
 import dataclasses
 import difflib
+import inspect
+import json
 import os
+import re
+import sys
 import tomllib
+
+
+class UserError(ValueError):
+    """A mistake the user fixes (a setting, path, data line, checkpoint), named in its message; not a bug."""
 
 
 def parse_config(cls, argv: list[str]):
@@ -52,3 +61,40 @@ def parse_config(cls, argv: list[str]):
         if val not in cls.CHOICES.get(key, (val,)):
             raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {cls.CHOICES[key]}")
     return cls(**kw)
+
+
+def run_main(main, *args):
+    """main(*args), where a UserError prints `error: message` (every rank: any one may hit it) and exits 1."""
+    try:
+        return main(*args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def config_lines(cfg, every: bool = False) -> list[str]:
+    """cfg as aligned `key = value` lines (TOML values, so a block pastes into a --config file) under the
+    `# --- group` comments of its class and its parents; only the fields off their defaults unless `every`."""
+    group, groups = {}, {}
+    for klass in reversed([k for k in type(cfg).__mro__ if dataclasses.is_dataclass(k)]):
+        name = klass.__name__
+        for line in inspect.getsource(klass).splitlines():
+            if m := re.match(r"\s+# --- (.*)", line):
+                name = m[1]
+            elif m := re.match(r"\s+(\w+): \S.* = ", line):
+                group.setdefault(m[1], name)
+    for f in dataclasses.fields(cfg):
+        if every or getattr(cfg, f.name) != f.default:
+            groups.setdefault(group.get(f.name, type(cfg).__name__), []).append(f.name)
+    width = max((len(k) for ks in groups.values() for k in ks), default=0)
+    return [line for name, ks in groups.items() for line in
+            [f"  # --- {name}"] + [f"  {k:{width}s} = {json.dumps(getattr(cfg, k), ensure_ascii=False)}" for k in ks]]
+
+
+def banner(cfg, objective: str, model, proc) -> str:
+    """The start of a run: its config (config_lines), the objective, the model's size and dtypes, world and device."""
+    every, dtype = cfg.print_config == "all", str(next(model.parameters()).dtype).removeprefix("torch.")
+    head = "config:" if every else "config (the fields off their defaults; --print_config=all for every field):"
+    size = f"{sum(q.numel() for q in model.parameters()):,} parameters, {dtype} weights"
+    return "\n".join([head] + config_lines(cfg, every) + [f"objective: {objective}", f"model: {size}" + (
+        ", bf16 compute" if proc.device.type == "cuda" else "") + f" | world size {proc.world} | device {proc.device}"])

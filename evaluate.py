@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import cli
 import infra
 import train
 
@@ -51,8 +52,10 @@ def main(cfg: EvalConfig) -> dict:
     """Evaluate cfg.ckpt; returns train.evaluate's record (eval/pass@1, eval/maj@k, ...)."""
     if not (cfg.ckpt or cfg.init_from):
         raise SystemExit("error: evaluate.py needs --ckpt DIR (a Hugging Face folder)")
-    # the held-out set is all an evaluation reads: the training file of a preset need not exist here
-    cfg = dataclasses.replace(cfg, init_from=cfg.ckpt or cfg.init_from, train_file=cfg.eval_file)
+    # the held-out set is all an evaluation reads: the training file of a preset need not exist here, and its
+    # training-only settings (e.g. overlong_buffer against a short max_new_tokens) are not checked
+    cfg = dataclasses.replace(cfg, init_from=cfg.ckpt or cfg.init_from, train_file=cfg.eval_file, sft_steps=0,
+                              rl_steps=0)
     t0 = time.time()
     run = train.build_run(cfg)
     samples = [] if cfg.samples_out else None
@@ -67,5 +70,5 @@ def main(cfg: EvalConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(train.parse_args(sys.argv[1:], EvalConfig))
+    cli.run_main(main, train.parse_args(sys.argv[1:], EvalConfig))
     infra.teardown()

@@ -34,7 +34,6 @@ from a checkpoint with --init_from instead).
   torchrun --standalone --nproc_per_node=2 star.py --config configs/star.toml
 """
 import dataclasses
-import json
 import random
 import sys
 import time
@@ -43,6 +42,7 @@ from typing import ClassVar
 
 import torch
 
+import cli
 import infra
 import tasks
 import train
@@ -74,19 +74,6 @@ def hint_prompt(p: tasks.Problem, task: str) -> str:
     if task == "arithmetic":
         return f"#{p.gold}#{p.prompt}"
     raise ValueError(f"no answer hint for task {task!r} (countdown's gold is its target, already in the prompt)")
-
-
-def check(cfg: StarConfig):
-    errors = [(cfg.resume, "resume is not supported for star/rft; start from a checkpoint with --init_from"),
-              (cfg.task in ("arithmetic", "countdown") and cfg.train_size <= 0,
-               "star/rft sample a fixed pool of training problems: set train_size > 0"),
-              (cfg.expert_iters < 1 or cfg.expert_samples < 1, "expert_iters and expert_samples must be >= 1"),
-              (not 0 <= cfg.hint_sft_frac <= 1, "hint_sft_frac must be in [0, 1]"),
-              (cfg.task == "countdown" and (cfg.hint_sft_frac > 0 or (cfg.rationalize and cfg.algo == "star")),
-               "countdown has no answer hint: use --rationalize=false --hint_sft_frac=0")]
-    for bad, msg in errors:
-        if bad:
-            raise SystemExit(f"error: {msg}")
 
 
 def keep(g: train.Group, template: str, max_per_problem: int) -> list[int]:
@@ -163,13 +150,12 @@ def cold_start_batch(run: train.Run, task: tasks.Task, state: train.TrainState) 
 
 
 def main(cfg: StarConfig) -> dict:
-    check(cfg)
     run, state, stage = train.build_run(cfg), train.TrainState(), cfg.algo
     total = cfg.sft_steps + cfg.expert_iters * cfg.expert_sft_steps  # for the console's ETA
     logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, 0, total)
     if run.proc.rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg)), f"\nworld size {run.proc.world}, device {run.proc.device}, "
-              f"algo {stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune", flush=True)
+        print(cli.banner(cfg, f"{stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune",
+                         run.model, run.proc), flush=True)
     # ---------------------------------------------------------------------------- step 0: cold start
     # train_size bounds the pool of step 1, not the cold start
     sft_task = tasks.Task(dataclasses.replace(cfg, train_size=0), run.task.tok, run.task.stop_ids, run.task.tok_config)
@@ -216,5 +202,5 @@ def main(cfg: StarConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(train.parse_args(sys.argv[1:], StarConfig))
+    cli.run_main(main, train.parse_args(sys.argv[1:], StarConfig))
     infra.teardown()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import verify
+from cli import UserError
 from templates import chat_template, render_prompt
 from verify import MAX_EXPR, eval_arith, extract_answer
 
@@ -130,7 +131,8 @@ def countdown_reward(completion: str, problem: Problem) -> float:
 
 
 def _read_jsonl(path, keys: tuple[str, ...]):
-    """Yield (where, record) per non-empty line; ValueError naming file:line for bad JSON or a missing key."""
+    """Yield (where, record) per non-empty line; UserError (a ValueError) naming file:line for bad JSON or a
+    missing key."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -139,11 +141,11 @@ def _read_jsonl(path, keys: tuple[str, ...]):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: bad JSON ({e.msg})") from None
+                raise UserError(f"{where}: bad JSON ({e.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
             if missing := [key for key in keys if not isinstance(record.get(key), str)]:
-                raise ValueError(f"{where}: missing string field {missing[0]!r}")
+                raise UserError(f"{where}: missing string field {missing[0]!r}")
             yield where, record
 
 
@@ -154,7 +156,7 @@ def load_gsm8k(path) -> list[Problem]:
         i = r["answer"].rfind("####")
         gold = r["answer"][i + 4:].strip().split("\n")[0].strip().replace(",", "") if i >= 0 else ""
         if not gold:
-            raise ValueError(f"{where}: no final answer ('#### N') in 'answer'")
+            raise UserError(f"{where}: no final answer ('#### N') in 'answer'")
         problems.append(Problem(prompt=r["question"], gold=gold, solution=r["answer"], level=0))
     return problems
 
@@ -165,7 +167,7 @@ def load_math(path) -> list[Problem]:
     for where, r in _read_jsonl(path, ("problem", "solution")):
         gold = extract_answer(r["solution"])
         if not gold:
-            raise ValueError(f"{where}: no final answer (\\boxed{{}}) in 'solution'")
+            raise UserError(f"{where}: no final answer (\\boxed{{}}) in 'solution'")
         level = re.search(r"\d+", str(r.get("level", "")))
         problems.append(Problem(prompt=r["problem"], gold=gold, solution=r["solution"],
                                 level=int(level.group()) if level else 0))

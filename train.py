@@ -18,7 +18,6 @@ Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its 
 import bisect
 import dataclasses
 import itertools
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+import checks
 import cli
 import credit
 import grpo
@@ -40,7 +40,6 @@ import templates
 import verify
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
 from rollout import STOP_NAMES, generate, pad_batch, score
-from tasks import seed_of
 
 
 @dataclass
@@ -54,6 +53,7 @@ class Config:
     threads: int = 0                    # CPU threads per rank (0: torch's default); oversubscription is costly
     wandb_mode: str = "auto"            # auto: $WANDB_MODE if set, else online if logged in, else offline
     wandb_project: str = "grpo-from-scratch"
+    print_config: str = "changed"       # the config printed at the start: changed (fields off their defaults) | all
     # --- fresh model (Llama-style; ignored with init_from)
     n_layers: int = 4
     hidden_size: int = 128
@@ -154,12 +154,12 @@ class Config:
 
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
-        "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"),
+        "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"), "sft_flaw": tasks.FLAWS,
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
-        "cov": ("none", "clip", "kl"),
-        "save_dtype": ("", "float32", "bfloat16", "float16"), "sft_flaw": tasks.FLAWS}
+        "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"),
+        "save_dtype": ("", "float32", "bfloat16", "float16")}
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -205,6 +205,7 @@ class Group:
 def build_run(cfg: Config) -> Run:
     """Join the processes, build or load the policy (sharded; float32, its folder's dtype and files kept for step_N/)
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
+    checks.check(cfg)  # every setting and file first, each mistake one line (cli.UserError), before anything loads
     proc = infra.setup(cfg.device, cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
@@ -244,7 +245,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
-    seeds = torch.tensor([seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
+    seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
     model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
     ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                            top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
@@ -425,6 +426,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     groups, stats = dynamic_sampling(run, state, step)
     t1 = time.time()
     if not groups:  # every group had zero spread even after refills: nothing to learn from this step
+        opt.step()  # no gradients, so no update: the schedule still advances, after a step as torch expects
         sched.step()
         return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
     # 3. this rank trains on whole groups rank, rank + world, ...; advantages over the global batch
@@ -552,8 +554,7 @@ def main(cfg: Config) -> dict:
     logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project,
                           latest, total)
     if run.proc.rank == 0:
-        print(json.dumps(dataclasses.asdict(cfg)), f"\nmodel: {sum(p.numel() for p in run.model.parameters()):,} "
-              f"parameters, world size {run.proc.world}, device {run.proc.device}\nobjective: {objective(cfg)}")
+        print(cli.banner(cfg, objective(cfg), run.model, run.proc), flush=True)
     opt, stage, results, rl_t0 = None, None, {}, time.time()
     if not latest:  # the baseline: every curve starts from the checkpoint it trains
         logger.log(0, "base", results.setdefault("base", evaluate(run, 0, logger)))
@@ -579,9 +580,8 @@ def main(cfg: Config) -> dict:
         rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging
         state.bad_steps = guard.count_bad_steps(state.bad_steps, rec, step, cfg.max_bad_steps, cfg.out_dir)
         logger.log(step, stage, rec)
-        if stage == "rl" and cfg.beta > 0 and cfg.ref_update_every and \
-                (step - cfg.sft_steps) % cfg.ref_update_every == 0:
-            run.ref = infra.frozen_copy(run.model, run.proc.device)
+        if stage == "rl" and cfg.ref_update_every and (step - cfg.sft_steps) % cfg.ref_update_every == 0:
+            run.ref = infra.frozen_copy(run.model, run.proc.device)  # (checks.py: ref_update_every needs beta > 0)
         stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60)
         total = step if stop else total
         if cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
@@ -596,5 +596,5 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args(sys.argv[1:]))
+    cli.run_main(main, parse_args(sys.argv[1:]))
     infra.teardown()

@@ -8,9 +8,11 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+import checks
 import star
 import tasks
 import train
+from cli import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -155,11 +157,12 @@ def test_cold_start_mixes_hints_and_batches_are_seeded(tmp_path):
     assert star.batches(cfg, 0, 1) == []
 
 
-def test_config_errors():
-    for args, msg in [(["--train_size=0"], "train_size > 0"), (["--resume"], "resume"),
+def test_config_errors():  # checks.RULES's star rows, which train.build_run checks before anything loads
+    for args, msg in [(["--train_size=0"], "train_size = 0 must be > 0 with algo = 'star'"),
+                      (["--resume"], "resume = True is not supported"),
                       (["--task=countdown"], "countdown has no answer hint")]:
-        with pytest.raises(SystemExit, match=msg):
-            star.check(parse(["--algo=star", "--train_size=4", *args]))
+        with pytest.raises(UserError, match=msg):
+            checks.check(parse(["--algo=star", "--train_size=4", *args]))
 
 
 @pytest.mark.parametrize("algo", ["star", "rft"])

@@ -1,0 +1,131 @@
+"""Learning curves from run directories' metrics.jsonl (train.py's log), as one PNG; matplotlib is optional.
+
+  1. Each RUN_DIR's metrics.jsonl is read (read_run); runs are grouped by their folder's name without a seed
+     suffix (runs/demo_s0, runs/demo_s1 -> "demo"), one group per line of the plot.
+  2. --kind eval: held-out greedy and sampled pass@1 (eval/pass@1, eval/pass@1_sampled) against the training step
+     (SFT steps, then RL steps), the mean over a group's seeds with their range (min to max) shaded, at the steps
+     every seed evaluated (band).
+     --kind train: train/reward and the dynamic-sampling keep rate (train/kept_groups_frac: the share of sampled
+     groups with reward spread) per RL step, mean and range over seeds.
+  3. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
+
+  pip install matplotlib
+  python plot.py runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
+  python plot.py runs/demo_s* --kind train --out plots/demo_train.png
+"""
+import argparse
+import json
+import os
+import re
+
+NAMES = {"demo": "SFT + RL (the demo)", "control_sft": "SFT only (configs/control_sft.toml)",
+         "control_filtered": "answer-filtered SFT (configs/control_filtered.toml)"}
+PANELS = {"eval": [("eval/pass@1", "held-out greedy pass@1"),
+                   ("eval/pass@1_sampled", "held-out sampled pass@1 (T = 1)")],
+          "train": [("train/reward", "train reward (mean over the step's samples)"),
+                    ("train/kept_groups_frac", "dynamic sampling: share of groups kept")]}
+
+
+def read_run(path: str) -> list[dict]:
+    """The records of path/metrics.jsonl (or of path itself, a .jsonl file), in order."""
+    fname = path if path.endswith(".jsonl") else os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(fname):
+        raise SystemExit(f"error: {fname}: no such file (a run directory holds metrics.jsonl)")
+    with open(fname, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def group_name(path: str) -> str:
+    """runs/demo_s2 -> "demo"; runs/demo_s2/metrics.jsonl -> "demo"."""
+    base = os.path.basename(os.path.dirname(path) if path.endswith(".jsonl") else os.path.normpath(path))
+    return re.sub(r"_s(eed)?\d+$", "", base)
+
+
+def curve(records: list[dict], key: str, kind: str) -> dict[int, float]:
+    """{x: value} of one run: eval keys by training step, train keys by RL step (1, 2, ... from the first RL step)."""
+    rows = [r for r in records if key in r and (kind == "eval" or r.get("stage") == "rl")]
+    first = min((r["step"] for r in rows), default=1)
+    return {r["step"] - (first - 1 if kind == "train" else 0): float(r[key]) for r in rows}
+
+
+def band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(x, mean, min, max) over the curves at the x every curve has."""
+    xs = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    vals = [[c[x] for c in curves] for x in xs]
+    return xs, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def collect(paths: list[str], kind: str) -> dict[str, dict[str, tuple]]:
+    """{group: {key: band}} for the panels of `kind`, groups in the order of their first run on the command line."""
+    groups: dict[str, list[list[dict]]] = {}
+    for p in paths:
+        groups.setdefault(group_name(p), []).append(read_run(p))
+    out = {}
+    for name, runs in groups.items():
+        bands = {key: band([curve(r, key, kind) for r in runs]) for key, _ in PANELS[kind]}
+        if any(b[0] for b in bands.values()):  # an SFT-only run has no train curve
+            out[name] = {**bands, "seeds": len(runs)}
+    return out
+
+
+def table(data: dict, kind: str) -> str:
+    lines = []
+    for name, bands in data.items():
+        for key, _ in PANELS[kind]:
+            xs, mean, lo, hi = bands[key]
+            if xs:
+                lines.append(f"{name:18s} {key:24s} step {xs[-1]:5d}: mean {mean[-1]:.3f} (min {lo[-1]:.3f}, max "
+                             f"{hi[-1]:.3f}; {bands['seeds']} seed{'s' * (bands['seeds'] > 1)})")
+    return "\n".join(lines)
+
+
+def draw(data: dict, kind: str, out: str, title: str):
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("error: plot.py draws with matplotlib, which is not installed: pip install matplotlib") \
+            from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(PANELS[kind]), figsize=(6.2 * len(PANELS[kind]), 4.2))
+    for ax, (key, label) in zip(axes, PANELS[kind]):
+        for i, (name, bands) in enumerate(data.items()):
+            xs, mean, lo, hi = bands[key]
+            n = bands["seeds"]
+            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}",
+                            label=f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1
+                                                                                          else ""))
+            if n > 1:
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+        if kind == "eval" and "demo" in data and data["demo"][key][0]:
+            ax.axvline(800, color="grey", ls=":", lw=1)
+            ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points", fontsize=8,
+                        color="grey", ha="center")
+        ax.set_xlabel("training step (SFT, then RL)" if kind == "eval" else "RL step")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl) or metrics.jsonl files")
+    ap.add_argument("--out", required=True, help="the PNG to write")
+    ap.add_argument("--kind", choices=sorted(PANELS), default="eval")
+    ap.add_argument("--title", default="", help="a line above the panels")
+    return ap
+
+
+if __name__ == "__main__":
+    args = parser().parse_args()
+    data = collect(args.runs, args.kind)
+    if not data:
+        raise SystemExit(f"error: none of the runs logged {' or '.join(k for k, _ in PANELS[args.kind])}")
+    print(table(data, args.kind))
+    draw(data, args.kind, args.out, args.title)

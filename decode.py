@@ -22,39 +22,36 @@ from dataclasses import dataclass
 
 import torch
 
-CDF_BLOCK = {"cuda": 1024}  # device -> the two-level inverse CDF's block (148 blocks and a tail at V = 151,936);
-                            # 64 elsewhere (64 blocks at V = 4,096)
-TWO_LEVEL_ABOVE = {"cuda": 8192, "cpu": 1024}  # device -> vocabularies above this search the CDF in two levels; at
-                                               # or below one float64 cumsum (V = 40: 4x cheaper than two levels)
+CDF_BLOCK = 1024                  # the two-level inverse CDF's block: 148 blocks and a tail of a 151,936 vocabulary
+TWO_LEVEL_ABOVE = {"cuda": 8192}  # device -> vocabularies above this search the CDF in two levels (never on CPU:
+                                  # one float64 cumsum measured faster there, at 4,096 and at 151,936 tokens)
 
 
 def sample(z: torch.Tensor, u: torch.Tensor | None):
     """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling: the first token
     whose cumulative probability c exceeds u · c_V (a token of probability 0 is never first: its c equals its
-    predecessor's); without (greedy), argmax z. A small vocabulary sums c in float64, one cumsum; a large one
-    searches in two levels, block sums then the chosen block (no serial walk over V: a cumsum over V costs what the
-    rest of the sampler does on CPU), on probabilities rounded down to multiples of 2^-52 (integers q, exact in
-    float32): every partial sum is exact in float64, in any order, so the token is exactly the inverse CDF's of q
-    (a one-level float64 cumsum of p rounds at each of its V additions), whatever the blocks or the compiler."""
+    predecessor's), c summed in float64; without (greedy), argmax z. For a large vocabulary on CUDA the search
+    runs in two levels, block sums then the chosen block (no serial walk over V), on probabilities rounded down to
+    multiples of 2^-52 (integers q): every partial sum is exact in any order, so it picks exactly the token of a
+    one-level search over the same q."""
     if u is None:
         tok = z.argmax(-1)
         return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
-    (B, V), K = p.shape, CDF_BLOCK.get(z.device.type, 64)
+    (B, V), K = p.shape, CDF_BLOCK
     if V <= TWO_LEVEL_ABOVE.get(z.device.type, V):
         c = p.double().cumsum_(-1)                                                      # [B, V] float64
         tok = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]  # u < 1, so c_V > u · c_V: in range,
         tok = tok.clamp_(max=V - 1)                                                 # and a NaN row's V clamped
         return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()
-    q = (p.float() * 2.0 ** 52).floor_()                           # [B, V] float32 integers, each exact, sums < 2^53
-    n = V // K * K  # full blocks, then the tail (maybe empty); block sums in float64 inside the reduction
-    sums = torch.cat((q[:, :n].view(B, -1, K).sum(-1, dtype=torch.float64),
-                      q[:, n:].sum(-1, keepdim=True, dtype=torch.float64)), 1)          # [B, V/K + 1]
+    q = p.double().mul_(2.0 ** 52).floor_()                                             # [B, V], sums < 2^53
+    n = V // K * K  # full blocks, then the tail (maybe empty)
+    sums = torch.cat((q[:, :n].view(B, -1, K).sum(-1), q[:, n:].sum(-1, keepdim=True)), 1)   # [B, V/K + 1]
     ends = sums.cumsum(-1)                                                              # c at each block's end
     x = (u * ends[:, -1])[:, None]                                                      # [B, 1]
     j = torch.searchsorted(ends, x, right=True).clamp_(max=sums.shape[1] - 1)           # [B, 1] the block (NaN: last)
     idx = j * K + torch.arange(K, device=q.device)                                      # [B, K] its tokens
-    c = q.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0).double().cumsum_(-1) + (ends - sums).gather(1, j)
+    c = q.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0).cumsum_(-1) + (ends - sums).gather(1, j)
     tok = (j[:, 0] * K + torch.searchsorted(c, x, right=True)[:, 0]).clamp_(max=V - 1)
     return tok, (p.gather(-1, tok[:, None])[:, 0] * 2.0 ** 52 / ends[:, -1]).log().float()
 

@@ -382,7 +382,7 @@ def naive(T):
 
 
 nv = [N * args.naive_tokens / t for t in best_times({T: partial(naive, T) for T in (0.0, 1.0)}, 1).values()]
-rows.insert(len(settings), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
+rows.insert(len(pair), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
 results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
 
 # ---------------------------------------------------------------------------------------------- report

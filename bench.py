@@ -16,10 +16,12 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
   python bench.py --size 2m                 python bench.py --size 20m --repeats 2 --static   (+ the compiled step)
   python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
 
---device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped model in
-bf16, eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of max(HBM, FLOP) floors (the
-sampler's logits counted), and RL steps of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, the sampling copy's refresh,
-sampling and training timed apart:  python bench.py --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
+--device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped bf16 model,
+eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of max(HBM, FLOP) floors (the sampler's
+logits counted), RL steps of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, the sampling copy's refresh, sampling and
+training timed apart:  python bench.py --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
+--rl instead splits one RL step of a preset (4 x 8 x 64 tokens) by torch.profiler into sampling, scoring, loss,
+backward and AdamW, each with its time outside aten ops:  python bench.py --rl --size 20m --threads 1
 
 --logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
 backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
@@ -27,13 +29,13 @@ rollout.score (logits at every position, a float32 copy, a [n, L, V] gather, a s
 `chunked`, rollout.score (LM head at completion tokens only, chunks recomputed in backward):
   python bench.py --logprobs --threads 1            (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
 
---verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers,
-long and adversarial texts), one thread, and, if math-verify is importable (not a dependency), its calls/s and its
-agreement with ours on the same mix:  python bench.py --verify
+--verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers, long
+and adversarial texts), one thread, and math-verify's calls/s and agreement if importable:  python bench.py --verify
 """
 import argparse
 import itertools
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -150,6 +152,7 @@ p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
 p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
+p.add_argument("--rl", action="store_true", help="the time split of one RL step (4 x 8 x 64 tokens) instead")
 p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
 p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
 p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
@@ -269,6 +272,38 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
     print(f"total {time.time() - t_start:.0f} s")
 
 
+def bench_rl(model, P=4, G=8, L=64, S=32, steps=2):
+    """One RL step as train.rl_step composes it, P x G x L new tokens (no stop token), one process (no collectives
+    run): the split (sampling, scoring = the forward of log π, loss, backward, AdamW) of the faster of `steps`."""
+    def section(split: dict, name: str, fn):  # split[name] += [wall time, of it outside aten ops (ops' self times)]
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+        wall, ops = time.perf_counter() - t0, sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
+        split[name] = [a + b for a, b in zip(split.get(name, (0.0, 0.0)), (wall, max(0.0, wall - ops)))]
+        return out
+    rl = train.parse_args([f"--threads={args.threads}"])
+    run = train.Run(rl, infra.setup("cpu", args.threads), model.train(), None)
+    opt, prompts, best = train.make_optimizer(run, rl.lr, 10)[0], torch.randint(3, cfg.vocab_size, (P, S)).tolist(), {}
+    rows_p = [p for p in prompts for _ in range(G)]
+    for step in range(steps):
+        comps = section(split := {}, "sampling", lambda: generate(model, prompts, G, L, seed=step, static=args.static
+                                                                  ).completion_ids.tolist())
+        for rows in train.rank_micro_batches(run, rows_p, comps):
+            logp = section(split, "scoring", lambda: train.scores(run, model, rows_p, comps, rows, rl.temperature)[0])
+            mask, adv = torch.ones_like(logp).bool(), torch.randn(len(rows))
+            loss = section(split, "loss", lambda: grpo.policy_loss(logp, logp.detach(), adv, mask, agg="token_mean",
+                                                                  loss_scale=logp.numel())[0])
+            section(split, "backward", loss.backward)
+        section(split, "optimizer", lambda: train.optimizer_step(run, opt))
+        split["total"] = [sum(v[i] for v in split.values()) for i in (0, 1)]
+        best = min(best, split, key=lambda x: x.get("total", [float("inf")])[0])
+    print(f"RL step, {P}x{G}x{L} tokens, {n_params / 1e6:.1f}M params, {args.threads} threads, best of {steps} "
+          f"(seconds, share of the step, of it outside aten ops): " + ", ".join(
+              f"{k} {t:.2f} ({t / best['total'][0]:.0%}, {o:.2f})" for k, (t, o) in best.items()))
+    print(json.dumps({"rl_step": best}))
+
+
 if args.device == "cuda" and not args.ckpt:
     raise SystemExit(bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps))
 # -------------------------------------------------------------------------------------------------- model
@@ -276,8 +311,10 @@ torch.manual_seed(0)
 model = Transformer.from_pretrained(args.ckpt) if args.ckpt else Transformer(ModelConfig(
     model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size]))
 model = model.to(dev, dtype).eval()
-cfg = model.config
-n_params = sum(t.numel() for t in model.parameters())
+cfg, n_params = model.config, sum(t.numel() for t in model.parameters())
+if args.rl:
+    raise SystemExit(bench_rl(model))
+torch.set_grad_enabled(False)
 settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
 gen, S = torch.Generator().manual_seed(0), args.prompt_len
 results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
@@ -314,31 +351,24 @@ try:
 except ImportError:
     hf_label = None
 
-# matmul-only bound: every weight matrix (and the LM head) times N rows, 20 decode steps' worth
+# matmul-only bound: every weight matrix (and the LM head) times the rows of each setting, 20 decode steps' worth
 mats = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + \
     ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
-xs = [torch.randn(N, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
 
-
-@torch.no_grad()
-def matmuls(steps=20):
-    for _ in range(steps):
-        for x, (w, b) in zip(xs, mats):
-            F.linear(x, w, b)
-
-
-jobs["matmul-only bound", 0.0] = (matmuls, N * 20)
+for n_rows in sorted({P_ * G_ for P_, G_, _ in settings}):  # no autograd from here on (set below --rl's exit)
+    xs = [torch.randn(n_rows, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
+    jobs[f"matmul-only bound {n_rows} rows", 0.0] = (
+        lambda xs=xs: [F.linear(x, w, b) for _ in range(20) for x, (w, b) in zip(xs, mats)], n_rows * 20)
 best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
 tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
-
-
 pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
 for P_, G_, new_ in settings:
     results[f"ours_{P_}x{G_}x{new_}"] = pair[f"ours {P_}x{G_}x{new_}"]
 if hf_label:
     results["transformers"] = pair[hf_label]
-bound = results["matmul_bound"] = tps["matmul-only bound", 0.0]
-rows = [(label, *pair[label].values()) for label in pair] + [("matmul-only bound", bound, bound)]
+bounds = {int(k.split()[-2]): v for (k, _), v in tps.items() if k.startswith("matmul")}  # rows -> tokens/s
+results["matmul_bound"] = bounds[N]
+rows = [(lb, *pair[lb].values()) for lb in pair] + [(f"matmul-only bound, {n} rows", b, b) for n, b in bounds.items()]
 
 
 # --------------------------------------------------------------------------------------- naive, no cache
@@ -352,18 +382,18 @@ def naive(T):
 
 
 nv = [N * args.naive_tokens / t for t in best_times({T: partial(naive, T) for T in (0.0, 1.0)}, 1).values()]
-rows.insert(len(settings), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
+rows.insert(len(pair), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
 results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
 
 # ---------------------------------------------------------------------------------------------- report
-ours = results[f"ours_{P}x{G}x{new}"]
 print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.device}, {args.threads} threads, "
       f"{S}-token prompts, best of {args.repeats}")
-print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}")
-for label, a, b in rows:
-    print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}")
+print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}{'of the matmul-only bound':>28}")
+for label, a, b in rows:  # a row's fraction: of the bound at its own rows (the naive loop: at the first setting's)
+    n = math.prod(map(int, label.split()[-1].split("x")[:2])) if label.startswith("ours") else N
+    frac = "" if "bound" in label else f"{a / bounds[n]:>18.2f} / {b / bounds[n]:.2f}"
+    print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}{frac}")
 if hf := results.get("transformers"):
-    a, b = (ours[k] / hf[k] for k in ("greedy", "sampling"))
+    a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
     print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
-print(f"{'ours / matmul-only bound':<44}{ours['greedy'] / bound:>14.2f}{ours['sampling'] / bound:>16.2f}")
 print(json.dumps(results))

@@ -199,7 +199,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     (default: on CUDA) runs the compiled static step, else the same step eagerly; both sample the same tokens."""
     _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     dev = model.model.embed_tokens.weight.device
-    static = dev.type == "cuda" if static is None else static
+    static = decode.STATIC_BY_DEFAULT.get(dev.type, False) if static is None else static  # the rule: decode.py
     P, G, L = len(prompts), num_samples, max_new_tokens
     N, S = P * G, max(map(len, prompts))
     seeds = row_seeds(seed, N, dev)

@@ -368,6 +368,17 @@ def test_static_step_samples_what_the_eager_path_samples(T, k, p, static_sizes):
     assert ptrs == {key: [x.data_ptr() for x in v[1]] for key, v in decode._BUFFERS[m].items()}
 
 
+def test_the_default_loop_is_the_device_s_entry_in_static_by_default(static_sizes, monkeypatch):
+    """generate(static=None) runs the static step where decode.STATIC_BY_DEFAULT says so (CUDA), else eagerly (CPU:
+    compiling does not pay for the demo), the same tokens either way."""
+    m = tiny()
+    eager = generate(m, PROMPTS, 2, 12, 1.0, stop_ids=STOP, seed=3)
+    assert static_sizes == [] and not decode.STATIC_BY_DEFAULT.get("cpu", False)
+    monkeypatch.setitem(decode.STATIC_BY_DEFAULT, "cpu", True)
+    static = generate(m, PROMPTS, 2, 12, 1.0, stop_ids=STOP, seed=3)
+    assert static_sizes and rows_of(static) == rows_of(eager)
+
+
 def test_static_step_compiles_to_one_graph(monkeypatch):
     """torch._dynamo.explain of the decode step: one graph, no graph break; then the step traced by dynamo
     (backend "eager": dynamo's graph without inductor, seconds on CPU) samples what the eager path samples."""

@@ -47,6 +47,7 @@ import infra
 import tasks
 import train
 import verify
+from logger import Logger
 from tasks import seed_of
 
 HINT = "The answer is {gold}. Explain why."  # gsm8k / math rationalisation hint (STaR §3.2)
@@ -152,7 +153,7 @@ def cold_start_batch(run: train.Run, task: tasks.Task, state: train.TrainState) 
 def main(cfg: StarConfig) -> dict:
     run, state, stage = train.build_run(cfg), train.TrainState(), cfg.algo
     total = cfg.sft_steps + cfg.expert_iters * cfg.expert_sft_steps  # for the console's ETA
-    logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, 0, total)
+    logger = Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, 0, total)
     if run.proc.rank == 0:
         print(cli.banner(cfg, f"{stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune",
                          run.model, run.proc), flush=True)

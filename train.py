@@ -38,6 +38,7 @@ from objective import cov_picks, objective, old_pass  # the printed formula, two
 import tasks
 import templates
 import verify
+from logger import Logger
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
 from rollout import STOP_NAMES, generate, pad_batch, score
 
@@ -498,7 +499,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
 
 
 # ============================================================================================== evaluation
-def evaluate(run: Run, step: int, logger: infra.Logger | None = None, samples: list | None = None) -> dict:
+def evaluate(run: Run, step: int, logger: Logger | None = None, samples: list | None = None) -> dict:
     """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length, answer and truncation rates, per level
     too, in chunks of eval_batch problems (a progress line after each of a long eval). A `samples` list receives one
     record per completion: the prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
@@ -551,8 +552,7 @@ def main(cfg: Config) -> dict:
     state = TrainState(**saved["state"]) if saved else TrainState()
     if saved:
         torch.set_rng_state(saved["rng"])
-    logger = infra.Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project,
-                          latest, total)
+    logger = Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, latest, total)
     if run.proc.rank == 0:
         print(cli.banner(cfg, objective(cfg), run.model, run.proc), flush=True)
     opt, stage, results, rl_t0 = None, None, {}, time.time()

@@ -14,6 +14,7 @@ import infra
 import tasks
 import train
 import verify
+from logger import Logger
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -289,7 +290,7 @@ def test_wandb_auto_follows_WANDB_MODE(monkeypatch, tmp_path):
             monkeypatch.setenv("WANDB_MODE", env)
         inits.clear()
         cfg = train.parse_args(["--config", SMOKE, "--wandb_mode=auto", f"--out_dir={tmp_path / str(env)}"])
-        infra.Logger(infra.Proc(0, 1, torch.device("cpu")), cfg.out_dir, {}, cfg.wandb_mode, "p", 0, 1).file.close()
+        Logger(infra.Proc(0, 1, torch.device("cpu")), cfg.out_dir, {}, cfg.wandb_mode, "p", 0, 1).file.close()
         assert inits == want, env
 
 

@@ -269,6 +269,15 @@ def test_bad_input_raises():
 
 # ---------------------------------------------------------------- GSPO, CISPO, dual-clip, k1/k2/k3, pg_weight
 
+def loop_aggregate(rows: list, toks: list, agg: str, seq_sum_norm: float):
+    """The reference loops' aggregation of per-token terms: over all tokens, per sequence, or by a constant."""
+    if agg == "token_mean":
+        return sum(toks) / len(toks)
+    if agg == "seq_mean_token_mean":
+        return sum(rows) / len(rows)
+    return sum(toks) / seq_sum_norm
+
+
 def loop_loss(logp, old, ref, mask, adv, eps_low=0.2, eps_high=0.2, beta=0.0, agg="seq_mean_token_mean",
               max_len=None, ratio_level="token", pg_loss="clip", dual_clip=0.0, kl="k3", weight=None):
     """Per-row, per-token loop on 0-d tensors, in the papers' own forms; returns (loss for the gradient, value).
@@ -302,14 +311,7 @@ def loop_loss(logp, old, ref, mask, adv, eps_low=0.2, eps_high=0.2, beta=0.0, ag
                 out.append(sum(lst) / len(lst))
         toks += row
         toks_v += row_v
-
-    def agg_of(r, t):
-        if agg == "token_mean":
-            return sum(t) / len(t)
-        if agg == "seq_mean_token_mean":
-            return sum(r) / len(r)
-        return sum(t) / (n * (max_len or length))
-    return agg_of(rows, toks), agg_of(rows_v, toks_v)
+    return tuple(loop_aggregate(r, t, agg, n * (max_len or length)) for r, t in ((rows, toks), (rows_v, toks_v)))
 
 
 OPTIONS = [dict(ratio_level="sequence"), dict(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
@@ -569,14 +571,7 @@ def loop_2026(logp, old, mask, adv, pg_loss, eps_low=0.2, eps_high=0.2, tau_pos=
                 out_.append(sum(lst) / len(lst))
         toks += row
         toks_v += row_v
-
-    def agg_of(r, t):
-        if agg == "token_mean":
-            return sum(t) / len(t)
-        if agg == "seq_mean_token_mean":
-            return sum(r) / len(r)
-        return sum(t) / (n * (max_len or length))
-    return agg_of(rows, toks), agg_of(rows_v, toks_v)
+    return tuple(loop_aggregate(r, t, agg, n * (max_len or length)) for r, t in ((rows, toks), (rows_v, toks_v)))
 
 
 @pytest.mark.parametrize("agg", AGGS)

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+import infra
 from decode import filter_logits
 from model import Transformer, load_tokenizer
 from rollout import pad_batch, score
@@ -96,7 +97,10 @@ def exact_kl(run, prompts: list, comps: list, rows: list[int]) -> torch.Tensor:
     valid = torch.arange(L, device=dev) < torch.tensor([len(c) for c in cs], device=dev)[:, None]
     pos = torch.where(valid, pos, 0)
     out = []
-    for model, k, p in ((run.model, cfg.top_k, cfg.top_p), (run.teacher, 0, 1.0)):
+    # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad forward
+    # of the sharded model between the micro-batches' backwards changed the 2-rank gradient (tests/test_distill.py)
+    student = infra.sampling(run.sampler, run.model)
+    for model, k, p in ((student, cfg.top_k, cfg.top_p), (run.teacher, 0, 1.0)):
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
             logits = model(seqs)                                                                 # [n, T - 1, V]
         z = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))                   # [n, L, V]

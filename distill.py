@@ -74,13 +74,14 @@ def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> torch.
 def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
                   weight: float) -> torch.Tensor:
     """Â_t + w (log π_T(o_t) − log π_old(o_t)) (step 2): adv [n] or [n, L]; teacher_logp, old_logp, mask [n, L] ->
-    [n, L] float32, detached; padding keeps the verifier's Â (the loss masks it anyway)."""
+    [n, L] float32 (float64 inputs: float64), detached; padding keeps the verifier's Â (the loss masks it anyway)."""
     if teacher_logp.shape != old_logp.shape or mask.shape != old_logp.shape or adv.shape not in (
             old_logp.shape[:1], old_logp.shape):
         raise ValueError(f"need adv [n] or [n, L] and teacher_logp, old_logp, mask [n, L], got {tuple(adv.shape)}, "
                          f"{tuple(teacher_logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
-    base = (adv[:, None] if adv.dim() == 1 else adv).float().expand_as(old_logp)
-    gap = torch.where(mask != 0, teacher_logp.detach().float() - old_logp.detach().float(), 0.0)
+    dt = torch.promote_types(old_logp.dtype, torch.float32)  # float32, or float64 for float64 inputs (oracle.py)
+    base = (adv[:, None] if adv.dim() == 1 else adv).detach().to(dt).expand_as(old_logp)
+    gap = torch.where(mask != 0, teacher_logp.detach().to(dt) - old_logp.detach().to(dt), 0.0)
     return base + weight * gap
 
 

@@ -193,3 +193,19 @@ def test_two_ranks_match_one_rank(tmp_path):
             assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
     wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "two"))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_opd_preset_composes_with_smoke_and_prints_its_formula(tmp_path):
+    opd = os.path.join(ROOT, "configs", "opd.toml")
+    cfg = train.parse_args(["--config", SMOKE, "--config", opd])
+    assert (cfg.teacher, cfg.opd_weight, cfg.dynamic_sampling, cfg.n_layers) == ("runs/smoke/step_5", 1.0, False, 1)
+    text = train.objective(cfg)
+    assert text.startswith("DAPO + on-policy distillation:") and "Â_t += 1·(log π_T(o_t) − log π_old(o_t))" in text
+    pure = train.objective(train.Config(teacher="t", reward="none", dynamic_sampling=False, opd_weight=0.5))
+    assert pure.startswith("on-policy distillation:") and "Â_i = 0 (reward off),  Â_t += 0.5·(log π_T" in pure
+    assert "π_T" not in train.objective(train.Config(teacher="t", opd_weight=0.0))  # a teacher only measured
+    cfg = train.parse_args(["--config", SMOKE, "--config", opd, f"--teacher={smoke_folder(tmp_path / 't', 5)}",
+                            f"--out_dir={tmp_path / 'o'}", "--sft_steps=2", "--rl_steps=2", "--eval_n=4"])
+    train.main(cfg)
+    assert [r["step"] for r in rl_records(tmp_path / "o")] == [3, 4]
+    assert all(r["train/opd_kl_exact"] > 0 for r in rl_records(tmp_path / "o"))

@@ -5,10 +5,10 @@ anything loads (train.build_run calls check first), each error one line naming t
      the condition that must hold, and the requirement, whose {key} reads "key = value" in the message, e.g.
      "overlong_buffer = 128 must be <= max_new_tokens = 32"; then the counts that must be >= 1 (POSITIVE) or
      >= 0 (NON_NEGATIVE). A rule applies to a config that has all its fields (StarConfig's, to star.py's).
-  2. check_files: the paths the config names exist and are complete: init_from is a Hugging Face folder with
-     config.json (a supported model), tokenizer.json and whole safetensors files (each file's header gives the
-     bytes its tensors need: a truncated download is named, not left to fail inside safetensors), and the
-     JSONL files of gsm8k / math exist.
+  2. check_files: the paths the config names exist and are complete: init_from and a distillation teacher are
+     Hugging Face folders with config.json (a supported model), tokenizer.json and whole safetensors files (each
+     file's header gives the bytes its tensors need: a truncated download is named, not left to fail inside
+     safetensors), and the JSONL files of gsm8k / math exist.
 Every failure raises cli.UserError; the entry points print it as one line and exit 1 (cli.run_main).
 
   python -c "import checks, train; checks.check(train.Config(overlong_buffer=128, max_new_tokens=32))"
@@ -72,6 +72,11 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
      "{tau_pos} and {tau_neg} must be > 0 with {pg_loss} (the gate's temperatures)"),
     (("cov", "cov_frac", "cov_low", "cov_high"), lambda c: c.cov == "none" or 0 < c.cov_frac <= 1 and
      c.cov_low < c.cov_high, "{cov_frac} must be in (0, 1] and {cov_low} < {cov_high} with {cov}"),
+    (("reward", "teacher", "opd_weight"), lambda c: c.reward != "none" or c.teacher and c.opd_weight > 0,
+     "{reward} turns the verifier's advantage off: it needs a {teacher} folder and {opd_weight} > 0"),
+    (("reward", "dynamic_sampling"), lambda c: c.reward != "none" or not c.dynamic_sampling,
+     "{reward} (pure distillation) needs dynamic_sampling = false, got {dynamic_sampling}: the verifier's reward "
+     "spread no longer decides which groups teach anything"),
     # star.StarConfig
     (("algo", "resume"), lambda c: not c.resume, "{resume} is not supported by star.py: start from a "
      "checkpoint with --init_from"),
@@ -84,7 +89,7 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
 ]
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs", "micro_batch_tokens", "eval_n",
             "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples")  # counts that must be >= 1
-NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "warmup_steps",
+NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight", "warmup_steps",
                 "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k", "train_size", "threads", "max_value",
                 "expert_sft_steps", "expert_max_per_problem")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
@@ -125,14 +130,18 @@ def check_files(cfg):
     for key in ("train_file", "eval_file") if getattr(cfg, "task", "") in ("gsm8k", "math") else ():
         if not os.path.isfile(getattr(cfg, key)):
             raise UserError(f"{key} = {getattr(cfg, key)!r}: no such file")
-    path = getattr(cfg, "init_from", "")
-    if not path:
-        return
+    for key in ("init_from", "teacher"):
+        if getattr(cfg, key, ""):
+            check_folder(cfg, key, getattr(cfg, key))
+
+
+def check_folder(cfg, key: str, path: str):
+    """A Hugging Face folder (init_from, or a distillation teacher) this code can load, whole."""
     if not os.path.isdir(path):
-        raise UserError(f"init_from = {path!r}: no such folder (a Hugging Face checkpoint folder, or a step_N/)")
+        raise UserError(f"{key} = {path!r}: no such folder (a Hugging Face checkpoint folder, or a step_N/)")
     for name in ("config.json", "tokenizer.json"):
         if not os.path.isfile(os.path.join(path, name)):
-            raise UserError(f"init_from = {path!r}: {name} is missing")
+            raise UserError(f"{key} = {path!r}: {name} is missing")
     import model  # torch, only once a checkpoint is named
     try:
         max_len = model.read_config(path).max_seq_len
@@ -151,5 +160,5 @@ def check_files(cfg):
                 raise UserError(f"{index}: not a safetensors index (no 'weight_map')") from None
     for name in files:
         if not os.path.isfile(os.path.join(path, name)):
-            raise UserError(f"init_from = {path!r}: {name} is missing")
+            raise UserError(f"{key} = {path!r}: {name} is missing")
         safetensors_complete(os.path.join(path, name))

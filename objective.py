@@ -2,8 +2,10 @@
 two passes over the whole batch that some objectives need before the first update (old_pass, cov_picks).
 
 objective(cfg) reads only the config's objective fields (adv_scale, agg, ratio_level, pg_loss, ε, dual_clip, tis,
-top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, dynamic_sampling) and names what the combination is:
-  1. the advantage Â_i (credit.py), with KL in the reward (kl_in = "reward") shown as r_i ← r_i − β Σ_t k1;
+top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, teacher, opd_weight, dynamic_sampling) and names what
+the combination is:
+  1. the advantage Â_i (credit.py), with KL in the reward (kl_in = "reward") shown as r_i ← r_i − β Σ_t k1, and
+     on-policy distillation's per-token term (distill.py; reward = "none": the verifier's Â is 0);
   2. the per-token term (grpo.policy_loss) and its weights (TIS, top-entropy, Clip-Cov) and penalties
      (β·k to π_ref with the gradient it actually has, k2 to π_old, KL-Cov's |log ρ|);
   3. the aggregation; the name is a paper's only where the combination is that paper's (a sequence ratio without
@@ -53,6 +55,10 @@ def objective(cfg) -> str:
     pen += f" − {cfg.kl_old}·(log ρ_t)²/2" if cfg.kl_old > 0 else ""
     pen += f" − {cfg.cov_kl_coef}·1[t ∈ top {cfg.cov_frac:g} cov]·|log ρ_t|" if cfg.cov == "kl" else ""
     adv += f",  r_i ← r_i − {cfg.beta}·Σ_t k1 (KL in the reward)" if cfg.beta > 0 and cfg.kl_in == "reward" else ""
+    adv = "0 (reward off)" if cfg.reward == "none" else adv
+    opd = getattr(cfg, "teacher", "") and cfg.opd_weight > 0  # distill.py: the sampled-token reverse KL, discount 0
+    adv += f",  Â_t += {cfg.opd_weight:g}·(log π_T(o_t) − log π_old(o_t)) per token [sampled-token reverse " \
+        "KL(π_θ‖π_T), discount 0]" if opd else ""
     gspo = cfg.ratio_level == "sequence" and cfg.agg == "seq_mean_token_mean"
     name = {"cispo": "CISPO", "dppo_tv": "DPPO-TV", "dppo_kl": "DPPO-KL", "sapo": "SAPO", "gmpo": "GMPO"}.get(
         cfg.pg_loss, "GSPO" if gspo else "sequence-ratio clip, not GSPO (eq. 5 needs seq_mean_token_mean)"
@@ -63,6 +69,7 @@ def objective(cfg) -> str:
         "DAPO" if cfg.agg == "token_mean" and cfg.eps_high > cfg.eps_low else
         "GRPO (DeepSeekMath)" if cfg.agg == "seq_mean_token_mean" else "custom")
     name += {"clip": " + Clip-Cov", "kl": " + KL-Cov"}.get(cfg.cov, "")
+    name = ("on-policy distillation" if cfg.reward == "none" else name + " + on-policy distillation") if opd else name
     return (f"{name}: J = E[{agg} {term}{pen}],  Â_i = {adv}" + (" per step (process)" if cfg.reward == "process"
             else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else ""))
 

@@ -16,7 +16,9 @@
    ∂L/∂log π(o_t) of every token from one backward (batches share no tokens), times the tabular
    ∇_θ log π(v | prefix) = e_v − π(· | prefix).
 5. KL estimators k1/k2/k3 (grpo.kl_penalty) of one completion: bias and variance of Σ_t k_t against the exact
-   KL, and of its gradient as a loss term against ∇KL; and k1 in the reward instead (Â_t = −Σ_{t'≥t} k1_t').
+   KL, and of its gradient as a loss term against ∇KL; and k1 in the reward instead (Â_t = −Σ_{t'≥t} k1_t'); and
+   on-policy distillation's per-token advantage (distill.opd_advantage, π_ref as the teacher): Â_t = −k1_t, the
+   sampled-token estimate of −∇KL(π_θ‖π_T) with discount 0 (no sum over later tokens).
 
 Run: python oracle.py          Test: python -m pytest -q tests/test_oracle.py
 """
@@ -29,6 +31,7 @@ import torch
 from torch.func import vmap
 
 import credit
+import distill
 import grpo
 
 EOS, V = 0, 3  # tokens: 0 = EOS, 1 = a, 2 = b
@@ -104,6 +107,8 @@ def batch_loss(spec, group, lp, old, samp, ref, mask, r, ent, sel=None):
     tokens grpo.cov_select picked (Clip-Cov, KL-Cov), chosen outside vmap over the whole batch."""
     if spec["adv"] == "kl_to_go":  # KL in the reward: Â_t = −Σ_{t' ≥ t} k1_t', REINFORCE on the sequence's KL
         adv = -torch.where(mask, old - ref, 0.0).flip(-1).cumsum(-1).flip(-1)
+    elif spec["adv"] == "opd":  # on-policy distillation (distill.py), π_ref as the teacher: Â_t = log π_T − log π_old
+        adv = distill.opd_advantage(0 * r, ref, old, mask, 1.0)
     else:
         adv = r if spec["adv"] == "raw" else 0 * r if spec["adv"] == "zero" else \
             credit.group_advantages(r, group, spec["adv"], lengths=mask.sum(1)).to(lp.dtype)
@@ -232,11 +237,12 @@ def kl_rows(task, group=1):
     """k1/k2/k3 on-policy: (name, bias of E[Σ_t k_t], its variance, cos and norm ratio of E[∇], tr Cov)."""
     (kl, true), probs, rows = exact_grad(task.theta, task, 1), seq_logp(task.theta, task).exp(), []  # probs [P, Y]
     batches = exact_batches(task, task.theta, group)
-    for k in grpo.KL_ESTIMATORS + ("k1 in the reward",):
+    for k in grpo.KL_ESTIMATORS + ("k1 in the reward", "k1 per token (OPD's Â_t)"):
         value = torch.where(task.mask, grpo.kl_penalty(token_logp(task.theta, task), token_logp(task.ref, task), k[:2]),
                             0.0).sum(-1)  # [P, Y]: Σ_t k_t of each completion
         e = (probs * value).sum(1)
-        spec = dict(adv="kl_to_go", **SUM) if len(k) > 2 else dict(adv="zero", kw=dict(beta=1.0, kl_estimator=k), **SUM)
+        spec = dict(adv={"k1 i": "kl_to_go", "k1 p": "opd"}[k[:4]], **SUM) if len(k) > 2 else \
+            dict(adv="zero", kw=dict(beta=1.0, kl_estimator=k), **SUM)
         mean, tr = moments(-batch_grads(spec, task, task.theta, task.theta, task.theta, batches, group),
                            *batches[2:])
         rows.append((k, float(e.mean() - kl), float(((probs * value ** 2).sum(1) - e ** 2).mean()),

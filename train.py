@@ -31,6 +31,7 @@ import torch
 import checks
 import cli
 import credit
+import distill
 import grpo
 import guard
 import infra
@@ -97,6 +98,7 @@ class Config:
     top_p: float = 1.0
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
     reward: str = "outcome"             # outcome (the verifier's score) | process (DeepSeekMath §4.1.3, arithmetic)
+                                        # | none (no verifier advantage: pure distillation with a teacher)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
                                         # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
@@ -125,6 +127,8 @@ class Config:
     beta: float = 0.0                   # KL(π_θ‖π_ref) weight, k3 estimator (DeepSeekMath eq. 4); DAPO drops it
     kl_in: str = "loss"                 # loss: β·kl_estimator per token; reward: r_i − β Σ_t k1 before Â (exact ∇)
     ref_update_every: int = 0           # refresh π_ref ← π_θ every K steps (0: never)
+    teacher: str = ""                   # on-policy distillation (GKD, Agarwal et al. 2024; Thinking Machines 2025):
+    opd_weight: float = 1.0             #   a teacher's folder; Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
     max_sample_tries: int = 4           # rounds of refill before training on what was found
     skip_saturated_k: int = 0           # skip prompts saturated (all right or all wrong) on their last k visits
@@ -156,7 +160,7 @@ class Config:
     CHOICES: ClassVar[dict] = {
         "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
         "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"), "sft_flaw": tasks.FLAWS,
-        "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process"),
+        "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process", "none"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
         "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"),
@@ -177,6 +181,7 @@ class Run:
     task: tasks.Task                    # problems, prompts, tokenizer (task.tok), stop ids, verifier
     ref: Transformer | None = None      # π_ref, a frozen unsharded copy (β > 0 only)
     sampler: Transformer | None = None  # the policy's weights outside FSDP (sharded or CUDA runs), for generate
+    teacher: Transformer | None = None  # π_T, frozen and unsharded like π_ref (on-policy distillation only)
 
 
 @dataclass
@@ -219,7 +224,7 @@ def build_run(cfg: Config) -> Run:
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
     model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy when FSDP shards (infra.sampling)
     return Run(cfg, proc, model, tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info),
-               sampler=infra.sampling_copy(model, proc))
+               sampler=infra.sampling_copy(model, proc), teacher=distill.load_teacher(cfg, tok, proc.device))
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -309,28 +314,14 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
 
 
 # ============================================================================== 3. micro-batches and updates
-def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -> list[list[int]]:
-    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with empty groups
-    to n_micro so every rank runs the same number of forward/backward passes (FSDP collectives must match)."""
-    out, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    out += [cur] if cur else []
-    return out + [[] for _ in range((n_micro or len(out)) - len(out))]
-
-
 def rank_micro_batches(run: Run, prompts: list, comps: list) -> list[list[int]]:
     """This rank's rows in micro-batches, longest first so that rows of similar length share one (padding costs
     tokens; the normaliser is global, so any grouping gives the same gradient). As many as the busiest rank has:
     a padding pass holds the pad row, index len(prompts), which the caller appends with an empty loss mask."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    plan = micro_batches([lengths[i] for i in order], run.cfg.micro_batch_tokens)
-    plan = micro_batches([lengths[i] for i in order], run.cfg.micro_batch_tokens, int(infra.all_max(len(plan))))
+    ordered, budget = [lengths[i] for i in order], run.cfg.micro_batch_tokens
+    plan = grpo.micro_batches(ordered, budget, int(infra.all_max(len(grpo.micro_batches(ordered, budget)))))
     return [[order[j] for j in rows] or [len(prompts)] for rows in plan]
 
 
@@ -404,7 +395,8 @@ def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None)
     shift [N] is added to the (outcome) rewards first: −β Σ_t k1 for KL in the reward."""
     cfg = run.cfg
     rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
-    if cfg.reward == "outcome":
+    if cfg.reward != "process":  # "none": zero rewards, so Â = 0 (pure distillation)
+        rewards = rewards * (cfg.reward == "outcome")
         lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
                                 for c, cut in zip(g.comps, g.truncated)])
         return credit.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
@@ -438,7 +430,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                       for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
     sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine] + [[0.0]], 0.0, torch.float32).to(dev)
     norm = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))   # the global normaliser
-    plan, old, keep, sums, maxes = rank_micro_batches(run, prompts, comps), {}, {}, {}, {}
+    plan, old, keep, sums, maxes, teach = rank_micro_batches(run, prompts, comps), {}, {}, {}, {}, {}
     prompts, comps = prompts + [[0]], comps + [[0]]  # the pad row of padding passes: mask, advantage 0
     kl_in_reward = cfg.kl_in == "reward" and cfg.beta > 0
     pre = old_pass(run, scores, prompts, comps, plan) if cfg.top_entropy_q < 1 or cfg.cov != "none" or kl_in_reward \
@@ -464,6 +456,10 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                 with torch.no_grad():
                     ref = scores(run, run.ref, prompts, comps, rows, cfg.temperature)[0]
             old[b] = logp.detach() if epoch == 0 else old[b]  # π_old: π_θ before this step's first update
+            a = adv[r, :Lm] if adv.dim() == 2 else adv[r]
+            if run.teacher is not None:  # on-policy distillation: Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
+                teach[b] = teach[b] if epoch else distill.teacher_logprobs(run, prompts, comps, rows)
+                a = distill.opd_advantage(a, teach[b], old[b], m, cfg.opd_weight)
             if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to the trainer's π_old
                 weight, tis = grpo.tis_weights(old[b], sampler[r, :Lm], m, cfg.tis, cfg.tis_mode, cfg.tis_cap)
             if cfg.top_entropy_q < 1:
@@ -471,9 +467,9 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                 weight = keep[b].float() if weight is None else weight * keep[b]
             if cfg.cov == "clip":  # Clip-Cov: the picked tokens leave the loss (KL-Cov: |log ρ| on them, below)
                 weight = (~picks[b]).float() * (1 if weight is None else weight)
-            loss, met = grpo.policy_loss(logp, old[b], adv[r, :Lm] if adv.dim() == 2 else adv[r], m, cfg.eps_low,
-                                         cfg.eps_high, ref, cfg.beta * (ref is not None), cfg.agg, cfg.max_new_tokens,
-                                         norm, cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight,
+            loss, met = grpo.policy_loss(logp, old[b], a, m, cfg.eps_low, cfg.eps_high, ref,
+                                         cfg.beta * (ref is not None), cfg.agg, cfg.max_new_tokens, norm,
+                                         cfg.ratio_level, cfg.pg_loss, cfg.dual_clip, cfg.kl_estimator, weight,
                                          cfg.tau_pos, cfg.tau_neg, cfg.kl_old, cfg.cov_kl_coef * picks[b].float()
                                          if cfg.cov == "kl" else None)
             infra.grad_sync(run.model, b == len(plan) - 1)  # reduce-scatter once per optimizer step
@@ -485,7 +481,8 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                     maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
-                                   **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()}})
+                                   **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
+                                   **distill.metrics(run, prompts, comps, rows, teach.get(b), old[b], m)})
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
         guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step

@@ -61,6 +61,10 @@ CASES = [  # (config class, overrides, the exact message)
      "cov_high = 5.0 with cov = 'clip'"),
     (train.Config, dict(cov="kl", cov_frac=0.0), "cov_frac = 0.0 must be in (0, 1]"),
     (train.Config, dict(tau_neg=0.0, cov_frac=0.0), None),  # SAPO's and Cov's settings unused: no error
+    (train.Config, dict(reward="none", dynamic_sampling=False), "reward = 'none' turns the verifier's advantage "
+     "off: it needs a teacher = '' folder and opd_weight = 1.0 > 0"),
+    (train.Config, dict(reward="none", teacher="t", opd_weight=1.0), "reward = 'none' (pure distillation) needs "
+     "dynamic_sampling = false, got dynamic_sampling = True"),
     (star.StarConfig, dict(STAR, resume=True), "resume = True is not supported by star.py"),
     (star.StarConfig, dict(train_size=0), "train_size = 0 must be > 0 with algo = 'star'"),
     (star.StarConfig, dict(STAR, hint_sft_frac=1.5), "hint_sft_frac = 1.5 must be in [0, 1]"),

@@ -102,6 +102,23 @@ def test_kl_estimator_identities(task):
     assert by["k1"][4] < 1e-9  # k1 as a loss term: E[∇] = E[Σ_t ∇log π] = 0
     assert by["k1 in the reward"][3] == pytest.approx(1.0, abs=1e-9)  # REINFORCE on the KL: E[∇] = ∇KL
     assert by["k1 in the reward"][4] == pytest.approx(1.0, abs=1e-9)
+    # OPD's Â_t = −k1_t at ratio 1 has k2's gradient, −k1_t ∇log π: the state-wise ∇KL, not the sequences' ∇KL
+    opd = by["k1 per token (OPD's Â_t)"]
+    assert opd[3:] == pytest.approx(by["k2"][3:], rel=1e-9) and opd[3] < 0.999
+
+
+def test_opd_per_token_advantage_is_the_state_wise_kl_gradient(task):
+    """E[∇] of distill.opd_advantage's loss (π_ref as the teacher, on-policy) = Σ_s d(s) ∇KL(π_θ(·|s)‖π_T(·|s)), the
+    visit probabilities d held fixed: by enumeration, with autograd through the per-prefix KL."""
+    batches = oracle.exact_batches(task, task.theta, 1)
+    g = -oracle.batch_grads(dict(adv="opd", **oracle.SUM), task, task.theta, task.theta, task.theta, batches, 1)
+    mean, _ = oracle.moments(g, *batches[2:])
+    th = task.theta.clone().requires_grad_()
+    lp, lq = th.log_softmax(-1), task.ref.log_softmax(-1)  # [P, R, V]
+    kl_at = (lp.exp() * (lp - lq)).sum(-1)[:, task.pre]  # [P, Y, H]: the KL at each completion's t-th prefix
+    visit = oracle.seq_logp(task.theta, task).exp()  # [P, Y], no gradient
+    want, = torch.autograd.grad((visit * torch.where(task.mask, kl_at, 0.0).sum(-1)).sum(1).mean(), th)
+    torch.testing.assert_close(mean, want.reshape(-1), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("group", [2, 4])

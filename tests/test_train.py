@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import grpo
 import infra
 import tasks
 import train
@@ -73,9 +74,9 @@ def test_objective_names_the_paper():
 
 
 def test_micro_batches_respect_budget_and_pad():
-    mb = train.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
+    mb = grpo.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
     assert mb == [[0, 1], [2], [3, 4, 5]]
-    assert train.micro_batches([5], 12, n_micro=3) == [[0], [], []]
+    assert grpo.micro_batches([5], 12, n_micro=3) == [[0], [], []]
 
 
 def test_rank_micro_batches_pack_rows_of_similar_length():
@@ -87,7 +88,7 @@ def test_rank_micro_batches_pack_rows_of_similar_length():
     assert sorted(i for rows in plan for i in rows) == list(range(8))  # every row once
     assert all(len(rows) * max(lengths[i] for i in rows) <= 40 for rows in plan)
     padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in plan)
-    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in train.micro_batches(lengths, 40))
+    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in grpo.micro_batches(lengths, 40))
     assert plan == [[1, 5, 3, 7], [2, 6, 0, 4]] and padded == 52 < consecutive == 80  # 28 pad tokens fewer
 
 

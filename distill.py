@@ -1,0 +1,110 @@
+"""On-policy distillation (OPD): a frozen teacher scores every token the student sampled, and the student moves toward
+it on its own trajectories, beside (or instead of) the verifier's reward.
+
+The student π_θ samples o ~ π_θ(·|q) as in every RL step; the teacher π_T (its own Hugging Face folder, any size,
+the same vocabulary) scores the sampled tokens. The objective is the reverse KL to the teacher on the student's own
+states, KL(π_θ‖π_T) = E_{o~π_θ} Σ_t log π_θ(o_t|q, o_<t) − log π_T(o_t|q, o_<t) (GKD, Agarwal et al. 2024, its
+on-policy reverse-KL case; Thinking Machines, "On-Policy Distillation", 2025). Implemented as they do, a per-token
+advantage with discount 0 (each token's own log-ratio, no sum over later tokens):
+  1. score the completions under π_T (no gradient, at the sampling temperature, no top-k/top-p filter: a token the
+     student's filter kept must have a finite teacher log-prob) once per batch, micro-batch by micro-batch;
+  2. Â_t ← Â_t + w · (log π_T(o_t) − log π_old(o_t)), Â_t the verifier's advantage (0 with reward = "none":
+     pure distillation), then the usual grpo.policy_loss. At ratio 1 its gradient is w Σ_t (log π_T − log π_θ)(o_t)
+     ∇log π_θ(o_t): the sampled-token estimate of −Σ_s d(s) ∇KL(π_θ(·|s)‖π_T(·|s)), the visit probabilities d held
+     fixed, k2's gradient as a loss term. oracle.py's "k1 per token" row: cos 0.985 and norm ratio 1.009 to the
+     sequences' exact ∇KL, tr Cov 0.033, where the unbiased sum over later tokens ("k1 in the reward") has 0.065.
+     The summed Â_t goes through the policy loss's clip; Clip-/KL-Cov and top-entropy selections see the verifier's Â;
+  3. metrics: train/opd_kl, the sampled-token estimate of the reverse KL per token (mean over tokens of log π_old −
+     log π_T); train/opd_kl_exact, the full-vocabulary Σ_v π_old(v) log(π_old(v)/π_T(v)) per token, when V ≤
+     EXACT_KL_MAX_V (one more no-grad forward of both models; [tokens × V] logits are cheap only there).
+The teacher is a plain frozen copy on every rank, like π_ref (bf16 on CUDA, float32 on CPU); the tokenizers must be
+equal (checked at start; the models' vocab_size may differ, as Qwen2.5's padded heads do, but then no exact KL).
+A teacher with opd_weight = 0 only measures the KL.
+
+  python train.py --config configs/smoke.toml --config configs/opd.toml
+  Test: python -m pytest -q tests/test_distill.py
+"""
+import torch
+
+import infra
+from cli import UserError
+from decode import filter_logits
+from model import Transformer, load_tokenizer
+from rollout import pad_batch, score
+
+EXACT_KL_MAX_V = 2048  # exact full-vocabulary KL per micro-batch only up to this vocabulary (memory ~ tokens × V)
+
+
+def load_teacher(cfg, student_tok, device) -> Transformer | None:
+    """The frozen teacher of a train.Config (None without one; checks.py has checked its folder and the OPD settings),
+    after checking its tokenizer is the student's (the same token -> id map, special tokens included): the per-token
+    log-ratio compares the two models' probabilities of the same ids. bf16 on CUDA (the compute dtype, as π_ref),
+    float32 on CPU."""
+    if not cfg.teacher:
+        return None
+    student = cfg.init_from or "the fresh model's character tokenizer"
+    if load_tokenizer(cfg.teacher).get_vocab(with_added_tokens=True) != student_tok.get_vocab(with_added_tokens=True):
+        raise UserError(f"teacher {cfg.teacher!r} and student ({student}) have different tokenizers: on-policy "
+                        "distillation compares their log-probs of the same token ids, so the vocabularies must match")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return Transformer.from_pretrained(cfg.teacher, device=device, dtype=dtype).requires_grad_(False).eval()
+
+
+def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> torch.Tensor:
+    """log π_T(o_t | q, o_<t) [n, L] float32 of the rows of a micro-batch (0 past a row's length), no gradient, at the
+    sampling temperature without top-k/top-p (step 1)."""
+    cs, dev = [comps[i] for i in rows], run.proc.device
+    with torch.no_grad(), torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+        return score(run.teacher, [prompts[i] for i in rows], pad_batch(cs).to(dev), run.cfg.temperature,
+                     lengths=[len(c) for c in cs])[0]
+
+
+def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                  weight: float) -> torch.Tensor:
+    """Â_t + w (log π_T(o_t) − log π_old(o_t)) (step 2): adv [n] or [n, L]; teacher_logp, old_logp, mask [n, L] ->
+    [n, L] float32 (float64 inputs: float64), detached; padding keeps the verifier's Â (the loss masks it anyway)."""
+    if teacher_logp.shape != old_logp.shape or mask.shape != old_logp.shape or adv.shape not in (
+            old_logp.shape[:1], old_logp.shape):
+        raise ValueError(f"need adv [n] or [n, L] and teacher_logp, old_logp, mask [n, L], got {tuple(adv.shape)}, "
+                         f"{tuple(teacher_logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
+    dt = torch.promote_types(old_logp.dtype, torch.float32)  # float32, or float64 for float64 inputs (oracle.py)
+    base = (adv[:, None] if adv.dim() == 1 else adv).detach().to(dt).expand_as(old_logp)
+    gap = torch.where(mask != 0, teacher_logp.detach().to(dt) - old_logp.detach().to(dt), 0.0)
+    return base + weight * gap
+
+
+@torch.no_grad()
+def exact_kl(run, prompts: list, comps: list, rows: list[int]) -> torch.Tensor:
+    """Σ_v π_old(v) (log π_old(v) − log π_T(v)) [n, L] at each completion position of the rows (π_old at the sampling
+    settings, the teacher unfiltered, both tempered; 0 past a row's length): full logits of both models, so only
+    for small vocabularies (the caller checks V ≤ EXACT_KL_MAX_V)."""
+    cfg, dev = run.cfg, run.proc.device
+    ps, cs = [prompts[i] for i in rows], [comps[i] for i in rows]
+    seqs = pad_batch([p + c for p, c in zip(ps, cs)]).to(dev)[:, :-1]                         # [n, T - 1]
+    L = max(map(len, cs))
+    pos = torch.tensor([len(p) for p in ps], device=dev)[:, None] - 1 + torch.arange(L, device=dev)  # [n, L]
+    valid = torch.arange(L, device=dev) < torch.tensor([len(c) for c in cs], device=dev)[:, None]
+    pos = torch.where(valid, pos, 0)
+    out = []
+    # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad forward
+    # of the sharded model between the micro-batches' backwards changed the 2-rank gradient (tests/test_distill.py)
+    student = infra.sampling(run.sampler, run.model)
+    for model, k, p in ((student, cfg.top_k, cfg.top_p), (run.teacher, 0, 1.0)):
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+            logits = model(seqs)                                                                 # [n, T - 1, V]
+        z = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))                   # [n, L, V]
+        out.append(filter_logits(z, cfg.temperature, k, p).log_softmax(-1))
+    ls, lt = out
+    kl = (ls.exp() * (ls - lt)).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)  # a filtered token: 0 · (−inf) adds 0
+    return torch.where(valid, kl.clamp(min=0), 0.0)
+
+
+def metrics(run, prompts: list, comps: list, rows: list[int], teacher_logp, old_logp, mask) -> dict:
+    """Token sums for train.rl_step's log (it divides by the token count): the sampled-token reverse-KL estimate and,
+    for small vocabularies, the exact one (step 3). {} without a teacher."""
+    if run.teacher is None:
+        return {}
+    out = {"train/opd_kl": torch.where(mask, old_logp - teacher_logp, 0.0).sum()}
+    if run.teacher.config.vocab_size <= EXACT_KL_MAX_V and run.teacher.config.vocab_size == run.model.config.vocab_size:
+        out["train/opd_kl_exact"] = exact_kl(run, prompts, comps, rows)[:, :mask.shape[1]][mask].sum()
+    return out

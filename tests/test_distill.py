@@ -1,0 +1,211 @@
+"""distill.py: on-policy distillation's per-token advantage (hand values, the gradient against a float64 loop), the
+exact full-vocabulary KL, and train.py runs with a teacher (micro-batch and rank invariance, a teacher equal to the
+student gives no gradient, a teacher with another tokenizer is refused)."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import distill
+import grpo
+import tasks
+import train
+from model import ModelConfig, Transformer, build_char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def smoke_folder(path, seed: int, chars: str = tasks.CHARS) -> str:
+    """A random model of the smoke config's shape with the char tokenizer (of `chars`), as a Hugging Face folder."""
+    tok = build_char_tokenizer(chars)
+    torch.manual_seed(seed)
+    Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                            intermediate_size=64, max_seq_len=64)).save_pretrained(str(path), tokenizer=tok)
+    return str(path)
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f]
+
+
+def rl_records(out_dir):
+    return [r for r in records(out_dir) if r["stage"] == "rl" and "train/loss" in r]
+
+
+def test_opd_advantage_hand_computed():
+    adv = torch.tensor([1.0, -0.5])
+    teacher = torch.tensor([[-0.1, -2.0, -0.7], [-1.0, -0.2, 0.0]])
+    old = torch.tensor([[-0.5, -1.0, -0.7], [-0.3, -0.2, -9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    out = distill.opd_advantage(adv, teacher, old, mask, 0.5)
+    # row 0: 1 + 0.5·(0.4, −1.0, 0.0); row 1: −0.5 + 0.5·(−0.7, 0.0), padding keeps −0.5
+    assert torch.allclose(out, torch.tensor([[1.2, 0.5, 1.0], [-0.85, -0.5, -0.5]]))
+    tok = torch.tensor([[0.3, 0.1, 0.0], [0.2, 0.4, 0.0]])  # a per-token verifier advantage (process reward)
+    assert torch.allclose(distill.opd_advantage(tok, teacher, old, mask, 2.0),
+                          tok + torch.tensor([[0.8, -2.0, 0.0], [-1.4, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="adv"):
+        distill.opd_advantage(adv[:1], teacher, old, mask, 1.0)
+
+
+@pytest.mark.parametrize("agg", grpo.AGGS)
+def test_gradient_matches_a_float64_loop(agg):
+    """∂loss/∂log π_θ(o_t) of policy_loss with the OPD advantage, against a loop over tokens: PPO-clip's min with
+    Â_t = Â_i + w (log π_T − log π_old)_t, ρ_t off-policy, the aggregation's normaliser written out."""
+    g = torch.Generator().manual_seed(0)
+    N, L, w, eps_l, eps_h = 4, 5, 0.7, 0.2, 0.28
+    old = -torch.rand(N, L, generator=g, dtype=torch.float64) * 2
+    logp = (old + 0.3 * torch.randn(N, L, generator=g, dtype=torch.float64)).requires_grad_()
+    teacher = -torch.rand(N, L, generator=g, dtype=torch.float64) * 2
+    mask = torch.arange(L) < torch.tensor([5, 3, 1, 4])[:, None]
+    adv_i = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64)
+    a = distill.opd_advantage(adv_i, teacher, old, mask, w).double()
+    loss, _ = grpo.policy_loss(logp, old, a, mask, eps_l, eps_h, agg=agg, max_len=L)
+    grad, = torch.autograd.grad(loss, logp)
+    want = torch.zeros(N, L, dtype=torch.float64)
+    n_tok, n_seq = int(mask.sum()), int(mask.any(1).sum())
+    for i in range(N):
+        for t in range(L):
+            if not mask[i, t]:
+                continue
+            A = float(adv_i[i]) + w * (float(teacher[i, t]) - float(old[i, t]))
+            rho = float(torch.exp(logp[i, t].detach() - old[i, t]))
+            clipped = A > 0 and rho > 1 + eps_h or A < 0 and rho < 1 - eps_l  # min() takes the constant
+            d = 0.0 if clipped else -A * rho  # ∂(−ρA)/∂log π = −ρA
+            norm = {"token_mean": n_tok, "seq_mean_token_mean": n_seq * int(mask[i].sum()),
+                    "seq_mean_token_sum_norm": N * L}[agg]
+            want[i, t] = d / norm
+    assert torch.allclose(grad, want, atol=1e-12)
+
+
+def test_a_teacher_equal_to_pi_old_gives_zero_gradient():
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(3, 4, generator=g)
+    logp = old.clone().requires_grad_()
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    a = distill.opd_advantage(torch.zeros(3), old.clone(), old, mask, 1.0)
+    loss, _ = grpo.policy_loss(logp, old, a, mask, agg="token_mean")
+    assert torch.equal(torch.autograd.grad(loss, logp)[0], torch.zeros(3, 4))
+
+
+def test_exact_kl_against_a_float64_loop():
+    """distill.exact_kl: Σ_v π(v) log(π(v)/π_T(v)) at each completion position, π at T = 0.8 with top-k 3 (the
+    sampling distribution), π_T tempered only; against full forwards of each prompt + completion, one at a time."""
+    torch.manual_seed(0)
+    cfgs = dict(vocab_size=7, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32,
+                max_seq_len=32)
+    student, teacher = Transformer(ModelConfig(**cfgs)), Transformer(ModelConfig(**cfgs))
+    run = SimpleNamespace(cfg=SimpleNamespace(temperature=0.8, top_k=3, top_p=1.0), proc=SimpleNamespace(
+        device=torch.device("cpu")), model=student, teacher=teacher, sampler=None)
+    prompts, comps = [[1, 2, 3], [4], [5, 6]], [[2, 2], [3, 1, 0, 6], [1]]
+    got = distill.exact_kl(run, prompts, comps, [2, 0, 1])
+    with torch.no_grad():
+        for row, i in enumerate([2, 0, 1]):
+            seq = torch.tensor([prompts[i] + comps[i]])
+            zs, zt = (m(seq)[0].double() / 0.8 for m in (student, teacher))
+            for t in range(4):
+                if t >= len(comps[i]):
+                    assert got[row, t] == 0
+                    continue
+                p = len(prompts[i]) - 1 + t
+                z = zs[p].clone()
+                z[z < z.topk(3).values[-1]] = -float("inf")
+                ls, lt = z.log_softmax(-1), zt[p].log_softmax(-1)
+                want = sum(float(ls[v].exp() * (ls[v] - lt[v])) for v in range(7) if ls[v] > -float("inf"))
+                assert abs(float(got[row, t]) - want) < 1e-5
+
+
+def test_tokenizer_mismatch_names_both_folders(tmp_path, hf_folder):
+    qwen = hf_folder()  # a byte-level BPE: not the fresh model's character tokenizer
+    with pytest.raises(ValueError, match=f"teacher '{qwen}' and student \\(the fresh model's character tokenizer\\)"):
+        train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={qwen}", "--device=cpu"]))
+    other = smoke_folder(tmp_path / "digits", 0, "0123456789+-*=#; ")  # a char tokenizer with other ids
+    student = smoke_folder(tmp_path / "student", 0)
+    with pytest.raises(ValueError, match=f"teacher '{other}' and student \\({student}\\) have different tokenizers"):
+        train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={other}", f"--init_from={student}"]))
+    with pytest.raises(ValueError, match=f"teacher = '{tmp_path / 'missing'}': no such folder"):  # cli.UserError
+        train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={tmp_path / 'missing'}"]))
+    with pytest.raises(ValueError, match="dynamic_sampling = false"):
+        train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={student}", "--reward=none"]))
+
+
+def opd_args(tmp_path, *extra):
+    teacher = smoke_folder(tmp_path / "teacher", seed=7)
+    return ["--config", SMOKE, f"--teacher={teacher}", "--sft_steps=2", "--rl_steps=2", "--eval_every=100",
+            "--eval_n=4", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--opd_weight=0.5",
+            "--prompts_per_step=3", "--overlong_buffer=20", *extra]
+
+
+def test_a_teacher_equal_to_the_student_gives_no_gradient(tmp_path):
+    student = smoke_folder(tmp_path / "student", seed=3)
+    cfg = train.parse_args(["--config", SMOKE, f"--init_from={student}", f"--teacher={student}", "--sft_steps=0",
+                            "--rl_steps=1", "--reward=none", "--dynamic_sampling=false", f"--out_dir={tmp_path / 'o'}",
+                            "--eval_n=4"])
+    train.main(cfg)
+    rec, = rl_records(tmp_path / "o")
+    assert rec["train/opd_kl"] == 0 and rec["train/opd_kl_exact"] == 0 and rec["train/grad_norm"] == 0
+    # the same run with another teacher learns
+    other = smoke_folder(tmp_path / "other", seed=4)
+    cfg = train.parse_args(["--config", SMOKE, f"--init_from={student}", f"--teacher={other}", "--sft_steps=0",
+                            "--rl_steps=1", "--reward=none", "--dynamic_sampling=false", f"--out_dir={tmp_path / 'p'}",
+                            "--eval_n=4"])
+    train.main(cfg)
+    rec, = rl_records(tmp_path / "p")
+    assert rec["train/opd_kl_exact"] > 0.01 and rec["train/grad_norm"] > 1e-3
+
+
+def test_micro_batch_split_changes_nothing(tmp_path):
+    """The teacher's per-token term beside the verifier's Â (length shaping gives every group reward spread), μ = 2,
+    in micro-batches of one row and in one of all rows: the same losses, KLs and weights."""
+    args = opd_args(tmp_path, "--agg=seq_mean_token_mean", "--ppo_epochs=2")
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'many'}", "--micro_batch_tokens=64"]))
+    one, many = rl_records(tmp_path / "one"), rl_records(tmp_path / "many")
+    assert len(one) == 2 and all(r["train/grad_norm"] > 1e-3 and r["train/opd_kl_exact"] > 0 for r in one)
+    for a, b in zip(one, many):
+        for k in ("train/loss", "train/opd_kl", "train/opd_kl_exact", "train/grad_norm", "train/entropy"):
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1, abs(a[k])), (k, a[k], b[k])
+    wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "many"))
+    # Adam's normalised step turns rounding-level differences of near-zero gradient entries into ~1e-5 (lr 1e-3)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank(tmp_path):
+    """P = 3 groups on 2 gloo ranks (FSDP2; the teacher a plain copy on each) and on 1: the same log and weights."""
+    args = opd_args(tmp_path)
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train.py")] + args + [f"--out_dir={tmp_path / 'two'}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    one, two = rl_records(tmp_path / "one"), rl_records(tmp_path / "two")
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for k in ("train/loss", "train/opd_kl", "train/opd_kl_exact", "train/reward"):
+            assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+    wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "two"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_opd_preset_composes_with_smoke_and_prints_its_formula(tmp_path):
+    opd = os.path.join(ROOT, "configs", "opd.toml")
+    cfg = train.parse_args(["--config", SMOKE, "--config", opd])
+    assert (cfg.teacher, cfg.opd_weight, cfg.dynamic_sampling, cfg.n_layers) == ("runs/smoke/step_5", 1.0, False, 1)
+    text = train.objective(cfg)
+    assert text.startswith("DAPO + on-policy distillation:") and "Â_t += 1·(log π_T(o_t) − log π_old(o_t))" in text
+    pure = train.objective(train.Config(teacher="t", reward="none", dynamic_sampling=False, opd_weight=0.5))
+    assert pure.startswith("on-policy distillation:") and "Â_i = 0 (reward off),  Â_t += 0.5·(log π_T" in pure
+    assert "π_T" not in train.objective(train.Config(teacher="t", opd_weight=0.0))  # a teacher only measured
+    cfg = train.parse_args(["--config", SMOKE, "--config", opd, f"--teacher={smoke_folder(tmp_path / 't', 5)}",
+                            f"--out_dir={tmp_path / 'o'}", "--sft_steps=2", "--rl_steps=2", "--eval_n=4"])
+    train.main(cfg)
+    assert [r["step"] for r in rl_records(tmp_path / "o")] == [3, 4]
+    assert all(r["train/opd_kl_exact"] > 0 for r in rl_records(tmp_path / "o"))

@@ -206,6 +206,7 @@ class Group:
     truncated: list[bool]               # no stop token within max_new_tokens
     scores: list[float]                 # the verifier's score of each completion
     rewards: list[float] = field(default_factory=list)  # shaped rewards (shaped_rewards)
+    nonfinite: int = 0                  # samples the sampler ended at non-finite logits (rollout.Rollout.nonfinite)
 
 
 def build_run(cfg: Config) -> Run:
@@ -255,14 +256,15 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
     ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                            top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
-    groups, (ids, mask, lp, cut) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
-                                                           ro.truncated)] if mine else [None] * 4
+    groups, (ids, mask, lp, cut, bad) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
+                                                                ro.truncated, ro.nonfinite)] if mine else [None] * 5
     for a, j in enumerate(mine):
         rows = range(a * G, (a + 1) * G)
         comps = [ids[r][mask[r]].tolist() for r in rows]
         texts = [run.task.text(c) for c in comps]
         groups.append(Group(j, *problems[j], prompts[a], comps, texts, [lp[r][mask[r]] for r in rows],
-                            cut[rows].tolist(), [run.task.score(t, problems[j][1]) for t in texts]))
+                            cut[rows].tolist(), [run.task.score(t, problems[j][1]) for t in texts],
+                            nonfinite=int(bad[rows].sum())))
     return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
 
 
@@ -309,7 +311,8 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
              "train/accuracy": sum(sum(g.scores) for g in seen) / (G * len(seen)),
              "train/kept_groups_frac": keep_rate, "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
              "train/skip_rate": skipped / drawn, "train/sample_tries": tries + 1,
-             "train/truncated_frac": sum(sum(g.truncated) for g in seen) / (G * len(seen))}
+             "train/truncated_frac": sum(sum(g.truncated) for g in seen) / (G * len(seen)),
+             "train/nonfinite_rows": sum(g.nonfinite for g in seen)}
     return kept[:P], stats
 
 

@@ -1,5 +1,7 @@
 """train.py: config errors, a few steps of sft then rl, checkpoints, 2-rank equivalence, kill-and-resume."""
+import inspect
 import json
+import math
 import os
 import signal
 import subprocess
@@ -514,3 +516,28 @@ def test_sampling_copy_equals_the_trained_weights_at_1_and_2_ranks(tmp_path):
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     one, two = (torch.load(tmp_path / f"w{n}.pt") for n in (1, 2))
     assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+
+
+def test_rows_the_sampler_ends_at_non_finite_logits_are_counted(tmp_path, monkeypatch):
+    build, gen, ended = train.build_run, train.generate, []
+
+    def poisoned_build(cfg):  # batch row 0's final hidden state turns NaN at every decode step (length-1 input)
+        run = build(cfg)
+        run.model.model.norm.register_forward_hook(
+            lambda m, i, out: out.index_fill(0, torch.tensor([0]), float("nan")) if out.shape[1] == 1 else out)
+        return run
+
+    def counted(*a, **kw):  # the rows each RL sampling call ended, counted from the Rollout itself
+        ro = gen(*a, **kw)
+        if inspect.stack()[2].function == "dynamic_sampling":
+            ended.append(float(ro.nonfinite.sum()))
+            assert ro.truncated[ro.nonfinite].all() and torch.isfinite(ro.logprobs[ro.completion_mask]).all()
+        return ro
+    monkeypatch.setattr(train, "build_run", poisoned_build)
+    monkeypatch.setattr(train, "generate", counted)
+    out = tmp_path / "nan_rows"
+    train.main(train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--rl_steps=2", "--dynamic_sampling=false"]))
+    rl = [r for r in records(out) if r["stage"] == "rl" and "train/loss" in r]
+    assert len(ended) == 2 and min(ended) >= 1  # one sampling call per step; compaction moves rows into slot 0
+    assert [r["train/nonfinite_rows"] for r in rl] == ended
+    assert all(math.isfinite(r["train/loss"]) for r in rl)

@@ -77,7 +77,11 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("reward", "dynamic_sampling"), lambda c: c.reward != "none" or not c.dynamic_sampling,
      "{reward} (pure distillation) needs dynamic_sampling = false, got {dynamic_sampling}: the verifier's reward "
      "spread no longer decides which groups teach anything"),
+    (("max_staleness", "sampler_ranks"), lambda c: c.max_staleness == 0 or c.max_staleness > 0 < c.sampler_ranks,
+     "{max_staleness} must be 0, or > 0 with {sampler_ranks} > 0: the colocated loop samples the weights it trains"),
     # star.StarConfig
+    (("algo", "sampler_ranks"), lambda c: c.sampler_ranks == 0, "{sampler_ranks} is train.py's: star.py samples "
+     "on every rank"),
     (("algo", "resume"), lambda c: not c.resume, "{resume} is not supported by star.py: start from a "
      "checkpoint with --init_from"),
     (("algo", "task", "train_size"), lambda c: c.task not in ("arithmetic", "countdown") or c.train_size > 0,
@@ -88,10 +92,11 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
      "hint_sft_frac = 0 (got {rationalize}, {hint_sft_frac}, {algo})"),
 ]
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs", "micro_batch_tokens", "eval_n",
-            "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples")  # counts that must be >= 1
+            "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples",
+            "async_timeout")  # counts that must be >= 1
 NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight", "warmup_steps",
                 "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k", "train_size", "threads", "max_value",
-                "expert_sft_steps", "expert_max_per_problem")
+                "expert_sft_steps", "expert_max_per_problem", "sampler_ranks")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
           for keys, lo in ((POSITIVE, 1), (NON_NEGATIVE, 0)) for k in keys]
 

@@ -84,7 +84,7 @@ def config_lines(cfg, every: bool = False) -> list[str]:
             elif m := re.match(r"\s+(\w+): \S.* = ", line):
                 group.setdefault(m[1], name)
     for f in dataclasses.fields(cfg):
-        if every or getattr(cfg, f.name) != f.default:
+        if every or getattr(cfg, f.name) != getattr(type(cfg)(), f.name):  # defaults as __post_init__ leaves them
             groups.setdefault(group.get(f.name, type(cfg).__name__), []).append(f.name)
     width = max((len(k) for ks in groups.values() for k in ks), default=0)
     return [line for name, ks in groups.items() for line in

@@ -39,7 +39,7 @@ from credit.py (rewards, shaping, group baselines).
      "token_mean"               1/Σ_i |o_i| Σ_i Σ_t ℓ_i,t        DAPO §3.3 token-level loss, eq. 8
      "seq_mean_token_sum_norm"  1/(G·Lmax) Σ_i Σ_t ℓ_i,t         Dr. GRPO §3, a constant normaliser
    Micro-batches / ranks: loss = Σ(local terms) / loss_scale, loss_scale = all-reduced Σ loss_normaliser(...),
-   so the summed micro-batch losses equal the full-batch loss exactly (micro_batches: the split by a token budget).
+   so the summed micro-batch losses equal the full-batch loss exactly (infra.micro_batches splits by a token budget).
 
 Test: python -m pytest -q tests/test_grpo.py
 """
@@ -114,20 +114,6 @@ def loss_normaliser(mask: torch.Tensor, agg: str, max_len: Optional[int] = None)
         return valid.any(1).sum().float()
     n, length = mask.shape
     return torch.tensor(float(n * (length if max_len is None else max_len)), device=mask.device)
-
-
-def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -> list[list[int]]:
-    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with empty groups
-    to n_micro so every rank runs the same number of forward/backward passes (FSDP collectives must match)."""
-    out, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    out += [cur] if cur else []
-    return out + [[] for _ in range((n_micro or len(out)) - len(out))]
 
 
 def _aggregate(per_tok: torch.Tensor, valid: torch.Tensor, agg: str, max_len: Optional[int],

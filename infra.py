@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -26,6 +27,7 @@ from model import Transformer
 
 
 DEVICE = torch.device("cpu")  # the run's device, set by setup(): where every collective's tensors live
+GROUP = None  # this side's process group (async_rl.split: the trainer or the sampler ranks); None: the whole world
 
 
 class Proc(NamedTuple):
@@ -64,7 +66,7 @@ def all_sum(x, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """x (a tensor anywhere, or a number) summed over ranks, as a tensor on DEVICE."""
     x = torch.as_tensor(x).to(DEVICE)
     if dist.is_initialized():
-        dist.all_reduce(x, op=op)
+        dist.all_reduce(x, op=op, group=GROUP)
     return x
 
 
@@ -80,9 +82,45 @@ def all_gather_list(items: list) -> list:
     """Every rank's list, concatenated in rank order (picklable items)."""
     if not dist.is_initialized():
         return items
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, items)
+    out = [None] * dist.get_world_size(GROUP)
+    dist.all_gather_object(out, items, group=GROUP)
     return [x for part in out for x in part]
+
+
+def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -> list[list[int]]:
+    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with empty groups
+    to n_micro so every rank runs the same number of forward/backward passes (FSDP collectives must match)."""
+    out, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (len(cur) + 1) * max(longest, n) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    out += [cur] if cur else []
+    return out + [[] for _ in range((n_micro or len(out)) - len(out))]
+
+
+def rank_micro_batches(prompts: list, comps: list, budget: int) -> list[list[int]]:
+    """This rank's rows in micro-batches, longest first so that rows of similar length share one (padding costs
+    tokens; the normaliser is global, so any grouping gives the same gradient). As many as the busiest rank has:
+    a padding pass holds the pad row, index len(prompts), which the caller appends with an empty loss mask."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    ordered = [lengths[i] for i in order]
+    plan = micro_batches(ordered, budget, int(all_max(len(micro_batches(ordered, budget)))))
+    return [[order[j] for j in rows] or [len(prompts)] for rows in plan]
+
+
+def add_sums(sums: dict, metrics: dict):
+    """sums[k] += metrics[k] (tensors, detached, float32): a step's metrics accumulated over its micro-batches."""
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v.detach().float()
+
+
+def all_sum_dict(sums: dict) -> dict:
+    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log zeros)."""
+    return dict(zip(sums, all_sum(torch.stack(list(sums.values()))))) if sums else {}
 
 
 def shard(model: Transformer, proc: Proc):
@@ -91,18 +129,29 @@ def shard(model: Transformer, proc: Proc):
     if proc.world == 1 and proc.device.type != "cuda":
         return model
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if proc.device.type == "cuda" else MixedPrecisionPolicy()
+    mesh = DeviceMesh.from_group(GROUP, proc.device.type) if GROUP is not None else None  # over this side's ranks
     for block in model.model.layers:
-        fully_shard(block, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def full_state(model, opt=None, rank0_only=True):
-    """Unsharded model (and optimizer) state dicts; every rank calls (all-gather), rank0_only: empty on the others."""
+    """Unsharded model (and optimizer) state dicts, keyed by parameter names; every rank of this side calls (each
+    sharded tensor is all-gathered in turn, then moved to the CPU, so the peak extra device memory is one tensor);
+    rank0_only: only this side's rank 0 keeps them (None values on the others)."""
     if not dist.is_initialized():
         return model.state_dict(), opt and opt.state_dict()
-    opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    return (dcp.get_model_state_dict(model, options=opts), None) if opt is None else \
-        dcp.get_state_dict(model, opt, options=opts)
+    opts, keep = dcp.StateDictOptions(), not rank0_only or dist.get_rank(GROUP) == 0  # (dcp's own rank 0 is global)
+
+    def gather(x):
+        if isinstance(x, dict):
+            return {k: gather(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [gather(v) for v in x]
+        x = x.full_tensor() if isinstance(x, DTensor) else x
+        return (x.cpu() if keep else None) if isinstance(x, torch.Tensor) else x
+    return gather(dcp.get_model_state_dict(model, options=opts)), None if opt is None else \
+        gather(dcp.get_optimizer_state_dict(model, opt, options=opts))
 
 
 def frozen_copy(model, device) -> Transformer:
@@ -186,4 +235,4 @@ def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, 
         for old in sorted(complete_checkpoints(out_dir))[:-keep] if keep else []:
             shutil.rmtree(os.path.join(out_dir, f"step_{old}"), ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(GROUP)

@@ -2,8 +2,8 @@
 two passes over the whole batch that some objectives need before the first update (old_pass, cov_picks).
 
 objective(cfg) reads only the config's objective fields (adv_scale, agg, ratio_level, pg_loss, ε, dual_clip, tis,
-top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, teacher, opd_weight, dynamic_sampling) and names what
-the combination is:
+top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, teacher, opd_weight, dynamic_sampling, max_staleness)
+and names what the combination is:
   1. the advantage Â_i (credit.py), with KL in the reward (kl_in = "reward") shown as r_i ← r_i − β Σ_t k1, and
      on-policy distillation's per-token term (distill.py; reward = "none": the verifier's Â is 0);
   2. the per-token term (grpo.policy_loss) and its weights (TIS, top-entropy, Clip-Cov) and penalties
@@ -70,8 +70,11 @@ def objective(cfg) -> str:
         "GRPO (DeepSeekMath)" if cfg.agg == "seq_mean_token_mean" else "custom")
     name += {"clip": " + Clip-Cov", "kl": " + KL-Cov"}.get(cfg.cov, "")
     name = ("on-policy distillation" if cfg.reward == "none" else name + " + on-policy distillation") if opd else name
+    k = getattr(cfg, "max_staleness", 0)  # async_rl.py: the behaviour policy μ is the sampler's, K versions old
+    src = f";  o ~ μ = π_(s−1−{k}) at step s (ρ_t = π_θ/π_old, π_old the trainer's; w = π_old/μ: decoupled PPO)" \
+        if k else ""
     return (f"{name}: J = E[{agg} {term}{pen}],  Â_i = {adv}" + (" per step (process)" if cfg.reward == "process"
-            else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else ""))
+            else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else "") + src)
 
 
 def old_pass(run, scores, prompts: list, comps: list, plan: list[list[int]]) -> list[tuple]:

@@ -6,10 +6,10 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
      sampling drops groups with zero reward spread and draws more prompts until P informative groups are held;
   3. advantages Â_i from the group (credit.group_advantages); π_old = the policy before this step's update;
   4. μ inner epochs: loss = grpo.policy_loss(log π_θ, log π_old, Â, mask, ε_low, ε_high, log π_ref, β, agg),
-     accumulated over micro-batches sized by a token budget (micro_batches) and normalised by the GLOBAL token /
+     accumulated over micro-batches sized by a token budget (infra.micro_batches) and normalised by the GLOBAL token /
      sequence count, so any rank or micro-batch split gives the same gradient; clip grad norm; AdamW; warmup + cosine.
-The supervised stage (DeepSeek-R1 cold start) minimises grpo.sft_loss on the task's worked solutions (sft_update).
-Processes, FSDP2, checkpoints and logging live in infra.py; the sampler and its scoring twin in rollout.py.
+The supervised stage (DeepSeek-R1 cold start) minimises grpo.sft_loss on worked solutions (sft_update). Processes,
+FSDP2, checkpoints: infra.py; the sampler: rollout.py; sampler ranks K versions ahead (sampler_ranks): async_rl.py.
 
   python train.py                                        # the CPU demo: SFT on a sloppy teacher, then DAPO
   python train.py --config configs/smoke.toml --rl_steps=8
@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+import async_rl
 import checks
 import cli
 import credit
@@ -115,9 +116,9 @@ class Config:
     cov_kl_coef: float = 1.0            #   KL-Cov's coefficient on |log ρ_t|
     dual_clip: float = 0.0              # c > 1: bound the loss of Â < 0 at c·Â (dual-clip, Ye et al. 2020); 0: off
     kl_estimator: str = "k3"            # k1 | k2 | k3 (Schulman 2020); DeepSeekMath eq. 4 uses k3
-    tis: str = "none"                   # truncated IS of sampler vs trainer log-probs (Yao et al. 2025): none |
-    tis_mode: str = "truncate"          #   token | sequence; truncate w at C, mask w outside [1/C, C] (IcePop),
-                                        #   or mask_high: w > C (one-sided; Seq-MIS at tis = sequence)
+    tis: str = "auto"                   # truncated IS of sampler vs trainer log-probs (Yao et al. 2025): none | token
+    tis_mode: str = "truncate"          #   | sequence | auto (token if max_staleness > 0, else none); truncate w at C,
+                                        #   mask w outside [1/C, C] (IcePop), or mask_high: w > C (Seq-MIS at sequence)
     tis_cap: float = 2.0                #   C
     top_entropy_q: float = 1.0          # gradient only on the top-q entropy tokens (Wang et al. 2025); 1: all
     agg: str = "token_mean"             # seq_mean_token_mean (GRPO), token_mean (DAPO §3.3),
@@ -147,6 +148,10 @@ class Config:
     adam_beta2: float = 0.99
     grad_clip: float = 1.0
     max_bad_steps: int = 3              # consecutive non-finite steps before the run stops
+    # --- asynchronous RL (async_rl.py, prime-rl's split): the first k ranks sample, the rest train
+    sampler_ranks: int = 0              # k sampler ranks (0: every rank samples and trains, the colocated loop)
+    max_staleness: int = 0              # K: step s trains on rollouts of π_v, v = s − 1 − K (0: synchronous)
+    async_timeout: float = 1800.0       # seconds a side waits for the other before it raises (a dead or hung peer)
     # --- evaluation and checkpoints
     eval_every: int = 400               # held-out eval every K steps (0: only at the end of each stage)
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
@@ -162,9 +167,12 @@ class Config:
         "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"), "sft_flaw": tasks.FLAWS,
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process", "none"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
-        "tis": ("none",) + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
+        "tis": ("auto", "none") + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
         "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"),
         "save_dtype": ("", "float32", "bfloat16", "float16")}
+
+    def __post_init__(self):  # tis = "auto": async_rl.py's clipped behaviour correction once rollouts may be stale
+        self.tis = ("token" if self.max_staleness > 0 else "none") if self.tis == "auto" else self.tis
 
 
 def parse_args(argv: list[str], cls=Config):
@@ -182,6 +190,7 @@ class Run:
     ref: Transformer | None = None      # π_ref, a frozen unsharded copy (β > 0 only)
     sampler: Transformer | None = None  # the policy's weights outside FSDP (sharded or CUDA runs), for generate
     teacher: Transformer | None = None  # π_T, frozen and unsharded like π_ref (on-policy distillation only)
+    link: async_rl.Link | None = None   # sampler_ranks > 0: this side's end of the rollout and weight channels
 
 
 @dataclass
@@ -213,7 +222,7 @@ def build_run(cfg: Config) -> Run:
     """Join the processes, build or load the policy (sharded; float32, its folder's dtype and files kept for step_N/)
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
     checks.check(cfg)  # every setting and file first, each mistake one line (cli.UserError), before anything loads
-    proc = infra.setup(cfg.device, cfg.threads)
+    proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)  # link: the async run's two sides
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
         tok, model = load_tokenizer(cfg.init_from), Transformer.from_pretrained(cfg.init_from, dtype=torch.float32)
@@ -223,9 +232,12 @@ def build_run(cfg: Config) -> Run:
                                         n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                         intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
+    task = tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info)
+    if link and not link.trains:  # a sampler rank: a plain copy in the compute dtype; weights come from the trainers
+        return Run(cfg, proc, infra.frozen_copy(model.to(proc.device), proc.device), task, link=link)
     model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy when FSDP shards (infra.sampling)
-    return Run(cfg, proc, model, tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info),
-               sampler=infra.sampling_copy(model, proc), teacher=distill.load_teacher(cfg, tok, proc.device))
+    return Run(cfg, proc, model, task, sampler=infra.sampling_copy(model, proc),
+               teacher=distill.load_teacher(cfg, tok, proc.device), link=link)
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -246,9 +258,8 @@ def make_optimizer(run: Run, lr: float, total: int):
 # ============================================================================================ 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float, seed_keys,
                   max_new_tokens: int, first: int = 0) -> list[Group]:
-    """G completions of each problem, scored by the verifier, every group on every rank in the order of `problems`.
-    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, first + problem position, sample index),
-    so any rank count (and any chunking of a list, with `first` its offset) samples the same tokens."""
+    """G scored completions of each problem, all groups on every rank in `problems` order. Rank r samples problems r,
+    r + world, ...; row seeds from (seed_keys, first + position, sample): any rank count or chunking, same tokens."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
@@ -271,13 +282,10 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
 # ====================================================================================== 2. rewards, filtering
 def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     """r_i = accuracy + format weight · format reward + DAPO soft overlong punishment (eq. 13)."""
-    r = list(g.scores)
-    if cfg.format_weight:
-        r = [x + cfg.format_weight * verify.format_reward(t) for x, t in zip(r, g.texts)]
-    if cfg.overlong_buffer:
-        pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer)
-        r = [x + p for x, p in zip(r, pen.tolist())]
-    return r
+    pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer) \
+        if cfg.overlong_buffer else torch.zeros(len(g.comps))  # (+ 0.0 and + 0 · f leave a reward bit-exact)
+    return [s + cfg.format_weight * (verify.format_reward(t) if cfg.format_weight else 0) + p
+            for s, t, p in zip(g.scores, g.texts, pen.tolist())]
 
 
 def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
@@ -317,29 +325,12 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
 
 
 # ============================================================================== 3. micro-batches and updates
-def rank_micro_batches(run: Run, prompts: list, comps: list) -> list[list[int]]:
-    """This rank's rows in micro-batches, longest first so that rows of similar length share one (padding costs
-    tokens; the normaliser is global, so any grouping gives the same gradient). As many as the busiest rank has:
-    a padding pass holds the pad row, index len(prompts), which the caller appends with an empty loss mask."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    ordered, budget = [lengths[i] for i in order], run.cfg.micro_batch_tokens
-    plan = grpo.micro_batches(ordered, budget, int(infra.all_max(len(grpo.micro_batches(ordered, budget)))))
-    return [[order[j] for j in rows] or [len(prompts)] for rows in plan]
-
-
 def scores(run: Run, model, prompts: list, comps: list, rows: list[int], temperature: float):
-    """log π and entropy [n, L] of the rows of a micro-batch under `model` (the policy, or π_ref), in the run's
-    compute dtype (bf16 autocast on CUDA)."""
+    """log π and entropy [n, L] of a micro-batch's rows under `model` (policy, π_ref), bf16 autocast on CUDA."""
     cs, dev = [comps[i] for i in rows], run.proc.device
     with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
         return score(model, [prompts[i] for i in rows], pad_batch(cs).to(dev), temperature, run.cfg.top_k,
                      run.cfg.top_p, lengths=[len(c) for c in cs])
-
-
-def add_metrics(sums: dict, metrics: dict):
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + v.detach().float()
 
 
 def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.Tensor:
@@ -347,16 +338,13 @@ def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.T
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norm = norm if finite is None else torch.where(finite, norm, math.nan)  # guard.py: NaN anywhere skips everywhere
-    if torch.isfinite(norm):
-        opt.step()
+    if not (ok := bool(torch.isfinite(norm))):  # skipped: without gradients the step below changes nothing, and
+        opt.zero_grad(set_to_none=True)         # torch's LR scheduler sees the optimizer step it expects first
+    opt.step()
+    if ok:
         infra.refresh(run.sampler, run.model, lazy=True)  # gathered before the next sampling
     opt.zero_grad(set_to_none=True)
     return norm
-
-
-def reduced(sums: dict) -> dict:
-    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log zeros)."""
-    return dict(zip(sums, infra.all_sum(torch.stack(list(sums.values()))))) if sums else {}
 
 
 # =================================================================================================== SFT
@@ -370,13 +358,12 @@ def cold_start_batch(task: tasks.Task, state: TrainState, B: int):
 
 
 def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
-    """One optimizer step of token-mean NLL (grpo.sft_loss) on a GLOBAL batch, the same lists on every rank, which
-    takes rows rank, rank + world, ...; the loss is divided by the global token count, so any rank count gives one
-    gradient. The cold start here, and star.py's fine-tunes."""
+    """One optimizer step of token-mean NLL (grpo.sft_loss) on a GLOBAL batch (the same lists on every rank; rank r
+    takes rows r, r + world, ...; divided by the global token count: any rank count, one gradient). star.py's too."""
     proc = run.proc
     prompts, comps = prompts[proc.rank::proc.world], comps[proc.rank::proc.world]
     norm = infra.all_sum(float(sum(map(len, comps))))                                     # global loss tokens
-    plan, sums = rank_micro_batches(run, prompts, comps), {}
+    plan, sums = infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens), {}
     lens = torch.tensor([len(c) for c in comps] + [0], device=proc.device)                # the pad row: no loss
     for b, rows in enumerate(plan):
         logp, ent = scores(run, run.model, prompts + [[0]], comps + [[0]], rows, 0.0)       # [n, L]
@@ -384,10 +371,10 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
         infra.grad_sync(run.model, b == len(plan) - 1)  # FSDP2 reduce-scatters after the last micro-batch only
         (loss * proc.world).backward()  # FSDP averages over ranks: undo it
-        add_metrics(sums, {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm})
+        infra.add_sums(sums, {"train/loss": loss, "train/entropy": (ent * mask).sum() / norm})
     gnorm = optimizer_step(run, opt)
     sched.step()
-    return {**reduced(sums), "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0]}
+    return {**infra.all_sum_dict(sums), "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0]}
 
 
 # ==================================================================================================== RL
@@ -419,7 +406,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     cfg, proc, G, dev = run.cfg, run.proc, run.cfg.group_size, run.proc.device
     t0 = time.time()
     # 1-2. sample, reward and keep P informative groups (the same global list on every rank)
-    groups, stats = dynamic_sampling(run, state, step)
+    groups, stats = run.link.take(state, step) if run.link else dynamic_sampling(run, state, step)  # async_rl.py
     t1 = time.time()
     if not groups:  # every group had zero spread even after refills: nothing to learn from this step
         opt.step()  # no gradients, so no update: the schedule still advances, after a step as torch expects
@@ -433,7 +420,8 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                       for k, i in mine] + [[False]], False, torch.bool).to(dev)                # [n + 1, L]
     sampler = pad_batch([groups[k].logprobs[i].tolist() for k, i in mine] + [[0.0]], 0.0, torch.float32).to(dev)
     norm = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))   # the global normaliser
-    plan, old, keep, sums, maxes, teach = rank_micro_batches(run, prompts, comps), {}, {}, {}, {}, {}
+    plan = infra.rank_micro_batches(prompts, comps, cfg.micro_batch_tokens)  # this rank's rows, longest first
+    old, keep, sums, maxes, teach = {}, {}, {}, {}, {}
     prompts, comps = prompts + [[0]], comps + [[0]]  # the pad row of padding passes: mask, advantage 0
     kl_in_reward = cfg.kl_in == "reward" and cfg.beta > 0
     pre = old_pass(run, scores, prompts, comps, plan) if cfg.top_entropy_q < 1 or cfg.cov != "none" or kl_in_reward \
@@ -479,23 +467,25 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             (loss * proc.world).backward()  # FSDP averages gradients over ranks: undo it
             losses.append(loss.detach())
             if epoch == 0:  # log the on-policy epoch; sampler vs trainer on the same tokens: a scoring mismatch
-                gap = ((logp.detach() - sampler[r, :Lm]).abs() * m).amax()
+                d = (logp.detach() - sampler[r, :Lm]) * m  # log π_old − log μ on the sampled tokens
+                gap = d.abs().amax()
                 for k, v in [("train/logprob_gap_max", gap)] + ([("train/tis_max", tis.pop("tis_max"))] if tis else []):
                     maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
-                add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
+                infra.add_sums(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
+                                   "train/mismatch_kl": (torch.expm1(d) - d).sum(),  # k3 of KL(μ‖π_old)
                                    **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
                                    **distill.metrics(run, prompts, comps, rows, teach.get(b), old[b], m)})
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
         guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
-    out, top = reduced(sums), dict(zip(maxes, infra.all_max(torch.stack(list(maxes.values())))))
+    out, top = infra.all_sum_dict(sums), dict(zip(maxes, infra.all_max(torch.stack(list(maxes.values())))))
     n = out.pop("n").clamp(min=1)
     tokens = infra.all_sum(float(sum(map(len, comps[:-1]))))
-    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, **top,
-            "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0],
-            "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
-            "time/rollout_s": t1 - t0, "time/train_s": time.time() - t1, "time/sample_tok_per_s": tokens / (t1 - t0)}
+    return {"time/rollout_s": t1 - t0, "time/sample_tok_per_s": tokens / (t1 - t0), **stats,  # async: the sampler's
+            **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, **top,
+            "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0], "time/train_s": time.time() - t1,
+            "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups))}
 
 
 # ============================================================================================== evaluation
@@ -538,7 +528,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None, samples: list | 
 
 # ==================================================================================================== loop
 def save(run: Run, state: TrainState, step: int, stage: str, opt, sched):
-    infra.save_checkpoint(run.proc, run.cfg.out_dir, step, run.model, run.task.tok, opt, {
+    infra.save_checkpoint(run.proc, run.cfg.out_dir, step, run.model, run.task.tok, opt, {  # async: rollouts first
+        "rollouts": run.link.checkpoint(state, step) if run.link and stage == "rl" else [],
         "scheduler": sched.state_dict(), "step": step, "stage": stage, "state": dataclasses.asdict(state),
         "rng": torch.get_rng_state(), "config": dataclasses.asdict(run.cfg)}, ref=run.ref, keep=run.cfg.keep_ckpts,
         dtype=getattr(torch, run.cfg.save_dtype) if run.cfg.save_dtype else None)
@@ -550,6 +541,8 @@ def main(cfg: Config) -> dict:
         cfg = dataclasses.replace(cfg, init_from=ckpt)
     run, total = build_run(cfg), cfg.sft_steps + cfg.rl_steps
     state = TrainState(**saved["state"]) if saved else TrainState()
+    if run.link and not run.link.trains:  # a sampler rank samples until the trainers stop it (async_rl.py)
+        return async_rl.sampler_loop(run, state, dynamic_sampling)
     if saved:
         torch.set_rng_state(saved["rng"])
     logger = Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, latest, total)
@@ -572,11 +565,15 @@ def main(cfg: Config) -> dict:
                 run.ref = infra.frozen_copy(run.model, run.proc.device)
                 if resumed and os.path.exists(ref_file := os.path.join(cfg.init_from, "ref_model.pt")):
                     run.ref.load_state_dict(torch.load(ref_file, map_location=run.proc.device))
+            if stage == "rl" and run.link:  # the samplers start: π_(step−1), the prompt stream, checkpointed rollouts
+                run.link.publish(run, step - 1, total, state, saved.get("rollouts") if resumed else None, Group)
         if stage == "sft":
             _, prompts, comps = cold_start_batch(run.task, state, cfg.sft_batch_size)
             rec = sft_update(run, opt, sched, prompts, comps)
         else:
             rec = rl_step(run, opt, sched, state, step)
+            if run.link:  # π_step to the samplers, which may now sample step + 1 + K
+                run.link.publish(run, step, total)
         rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging
         state.bad_steps = guard.count_bad_steps(state.bad_steps, rec, step, cfg.max_bad_steps, cfg.out_dir)
         logger.log(step, stage, rec)
@@ -592,6 +589,8 @@ def main(cfg: Config) -> dict:
             save(run, state, step, stage, opt, sched)
         if stop:
             break
+    if run.link:
+        run.link.stop(state)
     return logger.finish(results)
 
 

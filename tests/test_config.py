@@ -65,6 +65,10 @@ CASES = [  # (config class, overrides, the exact message)
      "off: it needs a teacher = '' folder and opd_weight = 1.0 > 0"),
     (train.Config, dict(reward="none", teacher="t", opd_weight=1.0), "reward = 'none' (pure distillation) needs "
      "dynamic_sampling = false, got dynamic_sampling = True"),
+    (train.Config, dict(max_staleness=1), "max_staleness = 1 must be 0, or > 0 with sampler_ranks = 0 > 0: the "
+     "colocated loop samples the weights it trains"),
+    (train.Config, dict(max_staleness=-1, sampler_ranks=1), "max_staleness = -1 must be 0, or > 0"),
+    (star.StarConfig, dict(STAR, sampler_ranks=1), "sampler_ranks = 1 is train.py's: star.py samples on every rank"),
     (star.StarConfig, dict(STAR, resume=True), "resume = True is not supported by star.py"),
     (star.StarConfig, dict(train_size=0), "train_size = 0 must be > 0 with algo = 'star'"),
     (star.StarConfig, dict(STAR, hint_sft_frac=1.5), "hint_sft_frac = 1.5 must be in [0, 1]"),

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -76,9 +77,9 @@ def test_objective_names_the_paper():
 
 
 def test_micro_batches_respect_budget_and_pad():
-    mb = grpo.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
+    mb = infra.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
     assert mb == [[0, 1], [2], [3, 4, 5]]
-    assert grpo.micro_batches([5], 12, n_micro=3) == [[0], [], []]
+    assert infra.micro_batches([5], 12, n_micro=3) == [[0], [], []]
 
 
 def test_rank_micro_batches_pack_rows_of_similar_length():
@@ -86,11 +87,11 @@ def test_rank_micro_batches_pack_rows_of_similar_length():
     run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None, None)
     lengths = [2, 10, 3, 9, 2, 10, 3, 9]  # prompt + completion lengths, long and short rows interleaved
     prompts, comps = [[1]] * 8, [[0] * (n - 1) for n in lengths]
-    plan = train.rank_micro_batches(run, prompts, comps)
+    plan = infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens)
     assert sorted(i for rows in plan for i in rows) == list(range(8))  # every row once
     assert all(len(rows) * max(lengths[i] for i in rows) <= 40 for rows in plan)
     padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in plan)
-    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in grpo.micro_batches(lengths, 40))
+    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in infra.micro_batches(lengths, 40))
     assert plan == [[1, 5, 3, 7], [2, 6, 0, 4]] and padded == 52 < consecutive == 80  # 28 pad tokens fewer
 
 
@@ -100,7 +101,7 @@ def test_collectives_hand_the_backend_tensors_on_the_run_device(monkeypatch):
     seen = []
     monkeypatch.setattr(infra, "DEVICE", torch.device("meta"))
     monkeypatch.setattr(infra.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(infra.dist, "all_reduce", lambda x, op=None: seen.append((x.device.type, op)))
+    monkeypatch.setattr(infra.dist, "all_reduce", lambda x, op=None, group=None: seen.append((x.device.type, op)))
     for x in (3.0, 7, torch.tensor(1.5), torch.zeros(3)):
         assert infra.all_sum(x).device.type == "meta" and infra.all_max(x).device.type == "meta"
     assert [d for d, _ in seen] == ["meta"] * 8 and seen[1][1] == infra.dist.ReduceOp.MAX
@@ -242,8 +243,8 @@ def test_nan_loss_with_finite_gradient_skips_the_rl_step_names_its_rows_and_stop
         seen["b"] += 1
         return (loss + float("nan") if seen["step"] >= 4 and seen["b"] == 2 else loss), met
 
-    def counted(self, *a, **kw):
-        steps["n"] += 1
+    def counted(self, *a, **kw):  # the steps that update: a skipped one calls step() without gradients
+        steps["n"] += any(p.grad is not None for g in self.param_groups for p in g["params"])
         return real_step(self, *a, **kw)
     monkeypatch.setattr(train, "rl_step", rl_step)
     monkeypatch.setattr(train.grpo, "policy_loss", poisoned)
@@ -259,6 +260,24 @@ def test_nan_loss_with_finite_gradient_skips_the_rl_step_names_its_rows_and_stop
     assert "step 4, rank 0: non-finite loss in micro-batch 1 (epoch 0), rows " in text and "step 5, rank 0" in text
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [(r["step"], r["train/bad_steps"]) for r in recs if "train/bad_steps" in r] == [(4, 1)]
+
+
+def test_a_skipped_first_step_steps_the_schedule_without_torchs_warning(tmp_path, monkeypatch):
+    """The first RL step's loss is NaN: the step is skipped (weights unchanged), the LR schedule still advances, and
+    torch does not warn "lr_scheduler.step() before optimizer.step()" (it did: the skip never called opt.step)."""
+    real = train.grpo.policy_loss
+    monkeypatch.setattr(train.grpo, "policy_loss", lambda *a, **kw: (lambda r: (r[0] + float("nan"), r[1]))(
+        real(*a, **kw)))
+    out = tmp_path / "skip"
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--sft_steps=0", "--rl_steps=2", "--ckpt_every=0",
+                            "--overlong_buffer=20", "--max_bad_steps=5", "--eval_every=0", "--eval_n=4",
+                            "--warmup_steps=3"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.main(cfg)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    recs = [r for r in records(out) if "train/lr" in r]
+    assert [r["train/bad_steps"] for r in recs] == [1, 2] and recs[0]["train/lr"] < recs[1]["train/lr"]  # warmup
 
 
 class FakeRun:

@@ -68,6 +68,9 @@ def split(proc: infra.Proc, cfg) -> tuple[infra.Proc, "Link | None"]:
     world, timeout = proc.world, timedelta(seconds=cfg.async_timeout)
     groups = [dist.new_group(r, timeout=timeout) for r in (list(range(k)), list(range(k, world)),
                                                            [0] + list(range(k, world)), list(range(k + 1)))]
+    for g in groups:  # meet once in each group of ours, in one order: NCCL builds its communicators here, not
+        if dist.get_rank(g) >= 0:  # later inside an asynchronous broadcast that a busy peer has not joined yet
+            dist.barrier(g)
     trains = proc.rank >= k
     infra.GROUP = groups[int(trains)]
     side = infra.Proc(proc.rank - k if trains else proc.rank, world - k if trains else k, proc.device)
@@ -157,9 +160,9 @@ class Link:
         for w in self.works:  # the previous post: received by now in any run that keeps K's promise
             self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), "the previous weight broadcast")
         flat = [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets(model)]
+        self.post(head)  # the header first: a sampler joins the broadcasts once it reads it
         self.works = [self.collective(lambda: dist.broadcast(f, self.leader, group=self.weights, async_op=True),
                                       "posting the weights") for f in flat]
-        self.post(head)
 
     def post(self, head: dict):
         self.store.set(f"head/{self.heads}", pickle.dumps(head))

@@ -13,8 +13,9 @@ CONSOLE = [c.split() for c in (  # metric, console name, format
     "train/loss loss .4f, train/reward reward .3f, train/accuracy acc .3f, train/completion_len len .1f, "
     "train/kl kl .4f, train/clip_low clip_lo .3f, train/clip_high clip_hi .3f, train/entropy ent .3f, "
     "train/grad_norm gnorm .2f, train/kept_groups_frac kept .2f, train/skip_rate skip .2f, "
-    "train/logprob_gap_max lp_gap .1e, time/rollout_s roll_s .1f, time/train_s train_s .1f, "
-    "time/sample_tok_per_s tok/s .0f").split(", ")]
+    "train/logprob_gap_max lp_gap .1e, train/staleness stale .0f, train/mismatch_kl mis_kl .1e, "
+    "time/rollout_s roll_s .1f, time/train_s train_s .1f, time/sample_tok_per_s tok/s .0f, "
+    "time/trainer_wait_s t_wait .1f, time/sampler_wait_s s_wait .1f").split(", ")]
 
 
 class Logger:
@@ -44,7 +45,8 @@ class Logger:
 
     def log(self, step: int, stage: str, rec: dict):
         """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a console line."""
-        rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()}}
+        rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()},
+               "time/wall_s": time.time() - self.t0}  # since the first training step (for equal-time curves)
         if self.rank != 0:
             return
         self.file.write(json.dumps(rec) + "\n")

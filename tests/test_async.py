@@ -83,6 +83,14 @@ def test_staleness_1_trains_each_step_on_the_previous_version(tmp_path):
     assert "w^TIS_token (truncate, C = 2)" in out  # tis = auto: the clipped behaviour correction at K > 0
 
 
+@pytest.mark.slow
+def test_a_clock_stopped_stage_takes_what_the_samplers_were_allowed_then_stops_them(tmp_path):
+    # rl_minutes ends RL after its first step while step 5 (K = 2: steps 5 and 6) is sampled or under way
+    run(ARGS + ["--sampler_ranks=1", "--max_staleness=2", "--rl_minutes=1e-6", f"--out_dir={tmp_path / 'k2'}"], 2)
+    assert [r["step"] for r in records(tmp_path / "k2") if "train/staleness" in r] == [4]
+    assert os.path.exists(tmp_path / "k2" / "step_4" / "model.safetensors")
+
+
 def spawn(rank, args, port):
     """One rank without torchrun (whose agent would stop the survivor itself): rank 0 hosts the store."""
     env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

@@ -462,7 +462,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             a = adv[r, :Lm] if adv.dim() == 2 else adv[r]
             if run.teacher is not None:  # on-policy distillation: Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
                 teach[b] = teach[b] if epoch else distill.teacher_logprobs(run, prompts, comps, rows)
-                a = distill.opd_advantage(a, teach[b], old[b], m, cfg.opd_weight)
+                a = distill.opd_advantage(a, teach[b].logp, old[b], m, cfg.opd_weight)
             if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to the trainer's π_old
                 weight, tis = grpo.tis_weights(old[b], sampler[r, :Lm], m, cfg.tis, cfg.tis_mode, cfg.tis_cap)
             if cfg.top_entropy_q < 1:
@@ -485,7 +485,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                 tok = met.pop("tokens")
                 add_metrics(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
                                    **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
-                                   **distill.metrics(run, prompts, comps, rows, teach.get(b), old[b], m)})
+                                   **distill.metrics(run, teach.get(b), old[b], m)})
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
         guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step

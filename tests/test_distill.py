@@ -16,6 +16,7 @@ import grpo
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
+from rollout import pad_batch, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -96,8 +97,9 @@ def test_a_teacher_equal_to_pi_old_gives_zero_gradient():
 
 
 def test_exact_kl_against_a_float64_loop():
-    """distill.exact_kl: Σ_v π(v) log(π(v)/π_T(v)) at each completion position, π at T = 0.8 with top-k 3 (the
-    sampling distribution), π_T tempered only; against full forwards of each prompt + completion, one at a time."""
+    """distill.teacher_logprobs with the exact KL: Σ_v π(v) log(π(v)/π_T(v)) at each completion position, π at T = 0.8
+    with top-k 3 (the sampling distribution), π_T tempered only, and log π_T(o_t), against full forwards of each
+    prompt + completion, one at a time; log π_T bitwise rollout.score's (the path without the exact KL)."""
     torch.manual_seed(0)
     cfgs = dict(vocab_size=7, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32,
                 max_seq_len=32)
@@ -105,21 +107,25 @@ def test_exact_kl_against_a_float64_loop():
     run = SimpleNamespace(cfg=SimpleNamespace(temperature=0.8, top_k=3, top_p=1.0), proc=SimpleNamespace(
         device=torch.device("cpu")), model=student, teacher=teacher, sampler=None)
     prompts, comps = [[1, 2, 3], [4], [5, 6]], [[2, 2], [3, 1, 0, 6], [1]]
-    got = distill.exact_kl(run, prompts, comps, [2, 0, 1])
+    got = distill.teacher_logprobs(run, prompts, comps, [2, 0, 1])
     with torch.no_grad():
+        ps, cs = [prompts[i] for i in (2, 0, 1)], [comps[i] for i in (2, 0, 1)]
+        want_logp = score(teacher, ps, pad_batch(cs), 0.8, lengths=[len(c) for c in cs])[0]
+        assert torch.equal(got.logp, want_logp)
         for row, i in enumerate([2, 0, 1]):
             seq = torch.tensor([prompts[i] + comps[i]])
             zs, zt = (m(seq)[0].double() / 0.8 for m in (student, teacher))
             for t in range(4):
                 if t >= len(comps[i]):
-                    assert got[row, t] == 0
+                    assert got.kl_exact[row, t] == 0 and got.logp[row, t] == 0
                     continue
                 p = len(prompts[i]) - 1 + t
                 z = zs[p].clone()
                 z[z < z.topk(3).values[-1]] = -float("inf")
                 ls, lt = z.log_softmax(-1), zt[p].log_softmax(-1)
                 want = sum(float(ls[v].exp() * (ls[v] - lt[v])) for v in range(7) if ls[v] > -float("inf"))
-                assert abs(float(got[row, t]) - want) < 1e-5
+                assert abs(float(got.kl_exact[row, t]) - want) < 1e-5
+                assert abs(float(got.logp[row, t]) - float(lt[comps[i][t]])) < 1e-5
 
 
 def test_tokenizer_mismatch_names_both_folders(tmp_path, hf_folder):
@@ -171,6 +177,44 @@ def test_micro_batch_split_changes_nothing(tmp_path):
     wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "many"))
     # Adam's normalised step turns rounding-level differences of near-zero gradient entries into ~1e-5 (lr 1e-3)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+
+
+def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
+    """With the exact KL logged (V ≤ EXACT_KL_MAX_V), one forward of the teacher per micro-batch of epoch 0 gives both
+    log π_T(o_t) and the full-vocabulary KL; the losses, gradient norms, sampled-token KL and weights are those of a
+    run without the exact KL (EXACT_KL_MAX_V = 0: log π_T from rollout.score, the path the exact KL never touched)."""
+    counts = {"forward": 0, "micro_batches": 0}
+    load, plan = distill.load_teacher, train.rank_micro_batches
+
+    def counted_teacher(*a):
+        teacher = load(*a)
+        forward = teacher.forward
+
+        def counted(*x, **k):
+            counts["forward"] += 1
+            return forward(*x, **k)
+        teacher.forward = counted
+        return teacher
+
+    def counted_plan(*a):
+        out = plan(*a)
+        counts["micro_batches"] += len(out)
+        return out
+    monkeypatch.setattr(distill, "load_teacher", counted_teacher)
+    monkeypatch.setattr(train, "rank_micro_batches", counted_plan)
+    args = opd_args(tmp_path, "--ppo_epochs=2", "--micro_batch_tokens=64", "--rl_steps=3", "--sft_steps=0")  # RL only
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'exact'}"]))
+    assert counts["micro_batches"] > 3 and counts["forward"] == counts["micro_batches"]  # one per micro-batch, 3 steps
+    monkeypatch.setattr(distill, "EXACT_KL_MAX_V", 0)
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'sampled'}"]))
+    exact, sampled = rl_records(tmp_path / "exact"), rl_records(tmp_path / "sampled")
+    assert len(exact) == 3 and all(r["train/opd_kl_exact"] > 0 and "train/opd_kl_exact" not in s
+                                   for r, s in zip(exact, sampled))
+    for a, b in zip(exact, sampled):
+        for k in ("train/loss", "train/opd_kl", "train/grad_norm", "train/entropy", "train/reward"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    wa, wb = (load_file(tmp_path / d / "step_3" / "model.safetensors") for d in ("exact", "sampled"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ class TeacherScores(NamedTuple):
 
 def exact_ok(run) -> bool:
     """The exact KL is cheap (V ≤ EXACT_KL_MAX_V) and defined (teacher and student heads of one vocabulary size)."""
-    return run.teacher.config.vocab_size <= EXACT_KL_MAX_V and run.teacher.config.vocab_size == run.model.config.vocab_size
+    V = run.teacher.config.vocab_size
+    return V <= EXACT_KL_MAX_V and V == run.model.config.vocab_size
 
 
 def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: int, top_p: float):

@@ -20,11 +20,14 @@ advantage with discount 0 (each token's own log-ratio, no sum over later tokens)
      its full log softmax, beside one more no-grad forward of π_old.
 The teacher is a plain frozen copy on every rank, like π_ref (bf16 on CUDA, float32 on CPU); the tokenizers must be
 equal (checked at start; the models' vocab_size may differ, as Qwen2.5's padded heads do, but then no exact KL).
-A teacher with opd_weight = 0 only measures the KL.
+A teacher with opd_weight = 0 only measures the KL. Every teacher_pass_every steps, train/teacher_pass: the teacher's
+own greedy pass@1 on the step's prompts (teacher_pass; one greedy generate of P rows, its seconds in
+time/teacher_pass_s, outside time/train_s), the ceiling a pupil is distilled toward.
 
   python train.py --config configs/smoke.toml --config configs/opd.toml
   Test: python -m pytest -q tests/test_distill.py
 """
+import time
 from typing import NamedTuple
 
 import torch
@@ -34,7 +37,7 @@ import infra
 from cli import UserError
 from decode import filter_logits
 from model import Transformer, load_tokenizer
-from rollout import LOGITS_PER_CHUNK, pad_batch, score
+from rollout import LOGITS_PER_CHUNK, generate, pad_batch, score
 
 EXACT_KL_MAX_V = 2048  # exact full-vocabulary KL per micro-batch only up to this vocabulary (memory ~ tokens × V)
 
@@ -127,3 +130,20 @@ def metrics(run, teacher: TeacherScores | None, old_logp, mask) -> dict:
     if teacher.kl_exact is not None:
         out["train/opd_kl_exact"] = teacher.kl_exact[:, :mask.shape[1]][mask].sum()
     return out
+
+
+def teacher_pass(run, groups: list, step: int) -> dict:
+    """The teacher's own greedy pass rate on the step's P prompts (train.Group list, every rank the same), every
+    teacher_pass_every steps (the step count, as eval_every), else {}: one greedy teacher completion per prompt, scored
+    by the task's verifier, beside train/accuracy (the student's, sampled). Rank r decodes prompts r, r + world, ...;
+    eagerly (static=False): the compiled step's frame budget and static buffers stay the policy's alone."""
+    cfg, proc = run.cfg, run.proc
+    if run.teacher is None or not cfg.teacher_pass_every or step % cfg.teacher_pass_every:
+        return {}
+    t0, mine = time.time(), groups[proc.rank::proc.world]
+    ro = mine and generate(run.teacher, [g.prompt for g in mine], 1, cfg.max_new_tokens, temperature=0.0,
+                           stop_ids=run.task.stop_ids, static=False)
+    ids, mask = (ro.completion_ids.cpu(), ro.completion_mask.cpu()) if mine else (None, None)
+    solved = sum(run.task.score(run.task.text(ids[i][mask[i]].tolist()), g.problem) for i, g in enumerate(mine))
+    n = infra.all_sum(torch.tensor([float(solved), float(len(mine))]))  # [solved, prompts] over ranks
+    return {"train/teacher_pass": n[0] / n[1].clamp(min=1), "time/teacher_pass_s": time.time() - t0}

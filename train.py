@@ -97,8 +97,7 @@ class Config:
     top_k: int = 0
     top_p: float = 1.0
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
-    reward: str = "outcome"             # outcome (the verifier's score) | process (DeepSeekMath §4.1.3, arithmetic)
-                                        # | none (no verifier advantage: pure distillation with a teacher)
+    reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
                                         # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
@@ -129,6 +128,7 @@ class Config:
     ref_update_every: int = 0           # refresh π_ref ← π_θ every K steps (0: never)
     teacher: str = ""                   # on-policy distillation (GKD, Agarwal et al. 2024; Thinking Machines 2025):
     opd_weight: float = 1.0             #   a teacher's folder; Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
+    teacher_pass_every: int = 10        #   the teacher's greedy pass rate on a step's P prompts every K steps (0: off)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
     max_sample_tries: int = 4           # rounds of refill before training on what was found
     skip_saturated_k: int = 0           # skip prompts saturated (all right or all wrong) on their last k visits
@@ -492,10 +492,10 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     out, top = reduced(sums), dict(zip(maxes, infra.all_max(torch.stack(list(maxes.values())))))
     n = out.pop("n").clamp(min=1)
     tokens = infra.all_sum(float(sum(map(len, comps[:-1]))))
-    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, **top,
-            "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0],
-            "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
-            "time/rollout_s": t1 - t0, "time/train_s": time.time() - t1, "time/sample_tok_per_s": tokens / (t1 - t0)}
+    return {**stats, **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, "train/grad_norm": gnorm,
+            **top, "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
+            "train/lr": sched.get_last_lr()[0], "time/rollout_s": t1 - t0, "time/train_s": time.time() - t1,
+            "time/sample_tok_per_s": tokens / (t1 - t0), **distill.teacher_pass(run, groups, step)}
 
 
 # ============================================================================================== evaluation

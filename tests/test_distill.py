@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ import grpo
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
-from rollout import pad_batch, score
+from rollout import generate, pad_batch, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -202,7 +203,8 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
         return out
     monkeypatch.setattr(distill, "load_teacher", counted_teacher)
     monkeypatch.setattr(train, "rank_micro_batches", counted_plan)
-    args = opd_args(tmp_path, "--ppo_epochs=2", "--micro_batch_tokens=64", "--rl_steps=3", "--sft_steps=0")  # RL only
+    args = opd_args(tmp_path, "--ppo_epochs=2", "--micro_batch_tokens=64", "--rl_steps=3", "--sft_steps=0",
+                    "--teacher_pass_every=0")  # RL only; no teacher generate
     train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'exact'}"]))
     assert counts["micro_batches"] > 3 and counts["forward"] == counts["micro_batches"]  # one per micro-batch, 3 steps
     monkeypatch.setattr(distill, "EXACT_KL_MAX_V", 0)
@@ -217,10 +219,60 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def hashes_then(path, digit: str) -> str:
+    """A hand-made teacher whose greedy completion of any prompt is "#" up to position 16, `digit` at 17, then <eos>:
+    "####...#7", the answer `digit` whatever the problem. One layer: one-hot embeddings; q = k = 0, so attention is
+    uniform over the row's tokens, and v carries only <bos>, which makes the residual's dimension 24 a = √C / (t + 1) at
+    position t; no MLP; an untied head gives "#" after any token but "#" or the digit, after "#" the digit once
+    a < √C / 16.5 (from the token at t = 16 on), and <eos> after the digit."""
+    tok = build_char_tokenizer(tasks.CHARS)
+    V, C, ids = tok.get_vocab_size(), 32, tok.get_vocab()
+    m = Transformer(ModelConfig(vocab_size=V, hidden_size=C, n_layers=1, n_heads=2, n_kv_heads=1,
+                                intermediate_size=8, max_seq_len=64, tie_embeddings=False))
+    h, d, a0 = ids["#"], ids[digit], C ** 0.5 / 16.5
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+                mod.weight.zero_()
+        m.model.embed_tokens.weight[:, :V] = torch.eye(V)
+        m.model.layers[0].self_attn.v_proj.weight[0, ids["<bos>"]] = 1.0  # rmsnorm(e_bos) = √C e_bos: v = √C
+        m.model.layers[0].self_attn.o_proj.weight[24, 0] = 1.0
+        w = m.lm_head.weight                                                 # [V, C]
+        w[h, :V] = 2.0
+        w[h, h] = w[h, d] = 0.0
+        w[h, 24] = 1 / a0  # after "#": logit("#") = a / a0 against logit(digit) = 1
+        w[d, h] = 1.0
+        w[ids["<eos>"], d] = 3.0
+    m.save_pretrained(str(path), tokenizer=tok)
+    return str(path)
+
+
+def test_teacher_pass_against_the_golds(tmp_path):
+    """train/teacher_pass with a teacher that answers `digit` to every problem: the share of each logged step's P
+    prompts (the RL stream's, in order, without dynamic sampling) whose gold is that digit; logged every 2nd step."""
+    args = ["--config", SMOKE, f"--init_from={smoke_folder(tmp_path / 's', 3)}", "--sft_steps=0", "--rl_steps=4",
+            "--dynamic_sampling=false", "--prompts_per_step=8", "--rl_min_ops=2", "--rl_max_ops=2",
+            "--max_operand=4", "--eval_n=4", "--teacher_pass_every=2", "--opd_weight=0", f"--out_dir={tmp_path / 'o'}"]
+    run = train.build_run(train.parse_args(args))
+    golds = [[run.task.problem("rl", i)[1].gold for i in range(8 * (s - 1), 8 * s)] for s in (1, 2, 3, 4)]
+    digit = Counter(g for gs in golds for g in gs if g in "0123456789").most_common(1)[0][0]
+    teacher = hashes_then(tmp_path / "t", digit)
+    model = Transformer.from_pretrained(teacher)
+    prompts = [run.task.prompt_ids(run.task.problem("rl", i)[1]) for i in range(3)]
+    ro = generate(model, prompts, 1, 24, temperature=0.0, stop_ids=run.task.stop_ids)
+    assert [run.task.text(ro.completion_ids[i][ro.completion_mask[i]].tolist()) for i in range(3)] == [
+        "#" * (17 - len(p)) + digit for p in prompts]  # the construction: "#" at positions len(p)..16, then digit
+    train.main(train.parse_args(args + [f"--teacher={teacher}"]))
+    got = {r["step"]: r.get("train/teacher_pass") for r in rl_records(tmp_path / "o")}
+    want = [sum(g == digit for g in gs) / 8 for gs in golds]
+    assert got == {1: None, 2: want[1], 3: None, 4: want[3]} and 0 < want[1] + want[3] < 2, (got, want, digit)
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path):
-    """P = 3 groups on 2 gloo ranks (FSDP2; the teacher a plain copy on each) and on 1: the same log and weights."""
-    args = opd_args(tmp_path)
+    """P = 3 groups on 2 gloo ranks (FSDP2; the teacher a plain copy on each) and on 1: the same log and weights;
+    the teacher's pass rate (step 4) from its prompts split 2 + 1 over the ranks."""
+    args = opd_args(tmp_path, "--teacher_pass_every=4")
     train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "train.py")] + args + [f"--out_dir={tmp_path / 'two'}"]
@@ -229,8 +281,9 @@ def test_two_ranks_match_one_rank(tmp_path):
     one, two = rl_records(tmp_path / "one"), rl_records(tmp_path / "two")
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
-        for k in ("train/loss", "train/opd_kl", "train/opd_kl_exact", "train/reward"):
-            assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+        for k in ("train/loss", "train/opd_kl", "train/opd_kl_exact", "train/reward", "train/teacher_pass"):
+            assert abs(a.get(k, -1) - b.get(k, -1)) <= 1e-4, (k, a.get(k), b.get(k))
+    assert "train/teacher_pass" in one[1] and "train/teacher_pass" not in one[0]
     wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "two"))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
 

@@ -245,15 +245,15 @@ def make_optimizer(run: Run, lr: float, total: int):
 
 # ============================================================================================ 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float, seed_keys,
-                  max_new_tokens: int, first: int = 0) -> list[Group]:
-    """G completions of each problem, scored by the verifier, every group on every rank in the order of `problems`.
-    Rank r samples problems r, r + world, ...; row seeds come from (seed_keys, first + problem position, sample index),
-    so any rank count (and any chunking of a list, with `first` its offset) samples the same tokens."""
+                  max_new_tokens: int, first: int = 0, model=None) -> list[Group]:
+    """G completions of each problem by `model` (default: the policy; star.py's teacher), scored by the verifier, every
+    group on every rank in the order of `problems`. Rank r samples problems r, r + world, ...; row seeds come from
+    (seed_keys, first + problem position, sample index): any rank count or chunking (`first`: offset), same tokens."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
+    model = infra.sampling(run.sampler, run.model) if model is None else model  # every rank refreshes a stale copy
     ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                            top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
     groups, (ids, mask, lp, cut, bad) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,

@@ -219,12 +219,13 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def hashes_then(path, digit: str) -> str:
+def hashes_then(path, digit: str, sharp: float = 1.0) -> str:
     """A hand-made teacher whose greedy completion of any prompt is "#" up to position 16, `digit` at 17, then <eos>:
     "####...#7", the answer `digit` whatever the problem. One layer: one-hot embeddings; q = k = 0, so attention is
     uniform over the row's tokens, and v carries only <bos>, which makes the residual's dimension 24 a = √C / (t + 1) at
     position t; no MLP; an untied head gives "#" after any token but "#" or the digit, after "#" the digit once
-    a < √C / 16.5 (from the token at t = 16 on), and <eos> after the digit."""
+    a < √C / 16.5 (from the token at t = 16 on), and <eos> after the digit. sharp scales the head: at sharp = 10
+    sampling at T = 1 gives "#" * k + digit, k ≥ 4, with the digit's position random near t = 17 only."""
     tok = build_char_tokenizer(tasks.CHARS)
     V, C, ids = tok.get_vocab_size(), 32, tok.get_vocab()
     m = Transformer(ModelConfig(vocab_size=V, hidden_size=C, n_layers=1, n_heads=2, n_kv_heads=1,
@@ -243,6 +244,7 @@ def hashes_then(path, digit: str) -> str:
         w[h, 24] = 1 / a0  # after "#": logit("#") = a / a0 against logit(digit) = 1
         w[d, h] = 1.0
         w[ids["<eos>"], d] = 3.0
+        w *= sharp
     m.save_pretrained(str(path), tokenizer=tok)
     return str(path)
 

@@ -43,7 +43,7 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("top_entropy_q",), lambda c: 0 < c.top_entropy_q <= 1, "{top_entropy_q} must be in (0, 1] (1: all tokens)"),
     (("ref_update_every", "beta"), lambda c: c.ref_update_every == 0 or c.beta > 0,
      "{ref_update_every} refreshes π_ref, which only {beta} > 0 uses"),
-    (("reward", "task"), lambda c: c.reward == "outcome" or c.task == "arithmetic",
+    (("reward", "task"), lambda c: c.reward != "process" or c.task == "arithmetic",
      "{reward} needs task = 'arithmetic' (its steps are checkable), got {task}"),
     (("sft_batch_size", "sft_steps"), lambda c: c.sft_steps == 0 or c.sft_batch_size >= 1,
      "{sft_batch_size} must be >= 1 with {sft_steps}"),

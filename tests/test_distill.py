@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checks
 import distill
 import grpo
 import tasks
@@ -141,6 +142,10 @@ def test_tokenizer_mismatch_names_both_folders(tmp_path, hf_folder):
         train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={tmp_path / 'missing'}"]))
     with pytest.raises(ValueError, match="dynamic_sampling = false"):
         train.build_run(train.parse_args(["--config", SMOKE, f"--teacher={student}", "--reward=none"]))
+    pure = ["--config", SMOKE, f"--teacher={student}", "--reward=none", "--dynamic_sampling=false", "--task=countdown"]
+    checks.check(train.parse_args(pure))  # pure distillation needs no checkable steps: any task
+    with pytest.raises(ValueError, match="reward = 'process' needs task = 'arithmetic'"):
+        checks.check(train.parse_args(pure[:-3] + ["--reward=process", "--task=countdown"]))
 
 
 def opd_args(tmp_path, *extra):

@@ -43,7 +43,7 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("top_entropy_q",), lambda c: 0 < c.top_entropy_q <= 1, "{top_entropy_q} must be in (0, 1] (1: all tokens)"),
     (("ref_update_every", "beta"), lambda c: c.ref_update_every == 0 or c.beta > 0,
      "{ref_update_every} refreshes π_ref, which only {beta} > 0 uses"),
-    (("reward", "task"), lambda c: c.reward == "outcome" or c.task == "arithmetic",
+    (("reward", "task"), lambda c: c.reward != "process" or c.task == "arithmetic",
      "{reward} needs task = 'arithmetic' (its steps are checkable), got {task}"),
     (("sft_batch_size", "sft_steps"), lambda c: c.sft_steps == 0 or c.sft_batch_size >= 1,
      "{sft_batch_size} must be >= 1 with {sft_steps}"),
@@ -94,9 +94,9 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs", "micro_batch_tokens", "eval_n",
             "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples",
             "async_timeout")  # counts that must be >= 1
-NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight", "warmup_steps",
-                "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k", "train_size", "threads", "max_value",
-                "expert_sft_steps", "expert_max_per_problem", "sampler_ranks")
+NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight",
+                "teacher_pass_every", "warmup_steps", "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k",
+                "train_size", "threads", "max_value", "expert_sft_steps", "expert_max_per_problem", "sampler_ranks")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
           for keys, lo in ((POSITIVE, 1), (NON_NEGATIVE, 0)) for k in keys]
 

@@ -16,21 +16,28 @@ advantage with discount 0 (each token's own log-ratio, no sum over later tokens)
      The summed Â_t goes through the policy loss's clip; Clip-/KL-Cov and top-entropy selections see the verifier's Â;
   3. metrics: train/opd_kl, the sampled-token estimate of the reverse KL per token (mean over tokens of log π_old −
      log π_T); train/opd_kl_exact, the full-vocabulary Σ_v π_old(v) log(π_old(v)/π_T(v)) per token, when V ≤
-     EXACT_KL_MAX_V (one more no-grad forward of both models; [tokens × V] logits are cheap only there).
+     EXACT_KL_MAX_V ([tokens × V] log-probs are cheap only there): the teacher's one forward of step 1 then keeps
+     its full log softmax, beside one more no-grad forward of π_old.
 The teacher is a plain frozen copy on every rank, like π_ref (bf16 on CUDA, float32 on CPU); the tokenizers must be
 equal (checked at start; the models' vocab_size may differ, as Qwen2.5's padded heads do, but then no exact KL).
-A teacher with opd_weight = 0 only measures the KL.
+A teacher with opd_weight = 0 only measures the KL. Every teacher_pass_every steps, train/teacher_pass: the teacher's
+own greedy pass@1 on the step's prompts (teacher_pass; one greedy generate of P rows, its seconds in
+time/teacher_pass_s, outside time/train_s), the ceiling a pupil is distilled toward.
 
   python train.py --config configs/smoke.toml --config configs/opd.toml
   Test: python -m pytest -q tests/test_distill.py
 """
+import time
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 import infra
 from cli import UserError
 from decode import filter_logits
 from model import Transformer, load_tokenizer
-from rollout import pad_batch, score
+from rollout import LOGITS_PER_CHUNK, generate, pad_batch, score
 
 EXACT_KL_MAX_V = 2048  # exact full-vocabulary KL per micro-batch only up to this vocabulary (memory ~ tokens × V)
 
@@ -50,13 +57,54 @@ def load_teacher(cfg, student_tok, device) -> Transformer | None:
     return Transformer.from_pretrained(cfg.teacher, device=device, dtype=dtype).requires_grad_(False).eval()
 
 
-def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> torch.Tensor:
-    """log π_T(o_t | q, o_<t) [n, L] float32 of the rows of a micro-batch (0 past a row's length), no gradient, at the
-    sampling temperature without top-k/top-p (step 1)."""
-    cs, dev = [comps[i] for i in rows], run.proc.device
+class TeacherScores(NamedTuple):
+    """What one teacher forward gives a micro-batch of epoch 0 (later epochs reuse it)."""
+    logp: torch.Tensor                  # log π_T(o_t | q, o_<t) [n, L] float32, 0 past a row's length
+    kl_exact: torch.Tensor | None       # Σ_v π_old(v) log(π_old(v)/π_T(v)) [n, L] (V ≤ EXACT_KL_MAX_V), else None
+
+
+def exact_ok(run) -> bool:
+    """The exact KL is cheap (V ≤ EXACT_KL_MAX_V) and defined (teacher and student heads of one vocabulary size)."""
+    V = run.teacher.config.vocab_size
+    return V <= EXACT_KL_MAX_V and V == run.model.config.vocab_size
+
+
+def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: int, top_p: float):
+    """score()'s forward with the whole log softmax of the sampling distribution at each of the M completion tokens:
+    (log π [M, V] float32, their targets [M], valid [n, L]). The LM head runs in score()'s chunks on the same hidden
+    states, so log π[target] is bitwise score()'s log-prob; memory M × V, for small vocabularies only."""
+    dev = model.model.embed_tokens.weight.device
+    ids = pad_batch(comps).to(dev)                                                             # [n, L]
+    n, L = ids.shape
+    valid = torch.arange(L, device=dev) < torch.tensor([len(c) for c in comps], device=dev)[:, None]
+    pos = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1 + torch.arange(L, device=dev)  # [n, L]
+    seqs = pad_batch([p + c for p, c in zip(prompts, ids.tolist())]).to(dev)                  # [n, S + L]
+
+    def head(h, w):  # h [n, T - 1, C] -> [M, V], in the chunks of score()'s HeadLogProbs
+        hs = h[torch.arange(n, device=dev)[:, None], pos][valid]                                # [M, C]
+        chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])
+        return torch.cat([filter_logits(F.linear(hs[i:i + chunk], w), temperature, top_k, top_p).log_softmax(-1)
+                          for i in range(0, len(hs), chunk)])
+    return model(seqs[:, :-1], head=head), ids[valid], valid
+
+
+def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> TeacherScores:
+    """Steps 1 and 3 for the rows of a micro-batch, no gradient: log π_T at the sampling temperature without
+    top-k/top-p, and, when exact_ok, the exact KL from the same teacher forward's full log softmax beside π_old's
+    (the student's at the sampling settings)."""
+    ps, cs, cfg, dev = [prompts[i] for i in rows], [comps[i] for i in rows], run.cfg, run.proc.device
     with torch.no_grad(), torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-        return score(run.teacher, [prompts[i] for i in rows], pad_batch(cs).to(dev), run.cfg.temperature,
-                     lengths=[len(c) for c in cs])[0]
+        if not exact_ok(run):
+            return TeacherScores(score(run.teacher, ps, pad_batch(cs).to(dev), cfg.temperature,
+                                       lengths=[len(c) for c in cs])[0], None)
+        lt, targets, valid = full_logprobs(run.teacher, ps, cs, cfg.temperature, 0, 1.0)          # [M, V]
+        # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad
+        # forward of the sharded model between micro-batches changed the 2-rank gradient (tests/test_distill.py)
+        ls = full_logprobs(infra.sampling(run.sampler, run.model), ps, cs, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+    kl = (ls.exp() * (ls - lt)).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)  # a filtered token: 0 · (−inf) adds 0
+    zeros = lt.new_zeros(valid.shape)
+    return TeacherScores(zeros.masked_scatter(valid, lt.gather(-1, targets[:, None])[:, 0]),
+                         zeros.masked_scatter(valid, kl.clamp(min=0)))
 
 
 def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
@@ -73,38 +121,29 @@ def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch
     return base + weight * gap
 
 
-@torch.no_grad()
-def exact_kl(run, prompts: list, comps: list, rows: list[int]) -> torch.Tensor:
-    """Σ_v π_old(v) (log π_old(v) − log π_T(v)) [n, L] at each completion position of the rows (π_old at the sampling
-    settings, the teacher unfiltered, both tempered; 0 past a row's length): full logits of both models, so only
-    for small vocabularies (the caller checks V ≤ EXACT_KL_MAX_V)."""
-    cfg, dev = run.cfg, run.proc.device
-    ps, cs = [prompts[i] for i in rows], [comps[i] for i in rows]
-    seqs = pad_batch([p + c for p, c in zip(ps, cs)]).to(dev)[:, :-1]                         # [n, T - 1]
-    L = max(map(len, cs))
-    pos = torch.tensor([len(p) for p in ps], device=dev)[:, None] - 1 + torch.arange(L, device=dev)  # [n, L]
-    valid = torch.arange(L, device=dev) < torch.tensor([len(c) for c in cs], device=dev)[:, None]
-    pos = torch.where(valid, pos, 0)
-    out = []
-    # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad forward
-    # of the sharded model between the micro-batches' backwards changed the 2-rank gradient (tests/test_distill.py)
-    student = infra.sampling(run.sampler, run.model)
-    for model, k, p in ((student, cfg.top_k, cfg.top_p), (run.teacher, 0, 1.0)):
-        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-            logits = model(seqs)                                                                 # [n, T - 1, V]
-        z = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))                   # [n, L, V]
-        out.append(filter_logits(z, cfg.temperature, k, p).log_softmax(-1))
-    ls, lt = out
-    kl = (ls.exp() * (ls - lt)).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)  # a filtered token: 0 · (−inf) adds 0
-    return torch.where(valid, kl.clamp(min=0), 0.0)
-
-
-def metrics(run, prompts: list, comps: list, rows: list[int], teacher_logp, old_logp, mask) -> dict:
+def metrics(run, teacher: TeacherScores | None, old_logp, mask) -> dict:
     """Token sums for train.rl_step's log (it divides by the token count): the sampled-token reverse-KL estimate and,
     for small vocabularies, the exact one (step 3). {} without a teacher."""
-    if run.teacher is None:
+    if teacher is None:
         return {}
-    out = {"train/opd_kl": torch.where(mask, old_logp - teacher_logp, 0.0).sum()}
-    if run.teacher.config.vocab_size <= EXACT_KL_MAX_V and run.teacher.config.vocab_size == run.model.config.vocab_size:
-        out["train/opd_kl_exact"] = exact_kl(run, prompts, comps, rows)[:, :mask.shape[1]][mask].sum()
+    out = {"train/opd_kl": torch.where(mask, old_logp - teacher.logp, 0.0).sum()}
+    if teacher.kl_exact is not None:
+        out["train/opd_kl_exact"] = teacher.kl_exact[:, :mask.shape[1]][mask].sum()
     return out
+
+
+def teacher_pass(run, groups: list, step: int) -> dict:
+    """The teacher's own greedy pass rate on the step's P prompts (train.Group list, every rank the same), every
+    teacher_pass_every steps (the step count, as eval_every), else {}: one greedy teacher completion per prompt, scored
+    by the task's verifier, beside train/accuracy (the student's, sampled). Rank r decodes prompts r, r + world, ...;
+    eagerly (static=False): the compiled step's frame budget and static buffers stay the policy's alone."""
+    cfg, proc = run.cfg, run.proc
+    if run.teacher is None or not cfg.teacher_pass_every or step % cfg.teacher_pass_every:
+        return {}
+    t0, mine = time.time(), groups[proc.rank::proc.world]
+    ro = mine and generate(run.teacher, [g.prompt for g in mine], 1, cfg.max_new_tokens, temperature=0.0,
+                           stop_ids=run.task.stop_ids, static=False)
+    ids, mask = (ro.completion_ids.cpu(), ro.completion_mask.cpu()) if mine else (None, None)
+    solved = sum(run.task.score(run.task.text(ids[i][mask[i]].tolist()), g.problem) for i, g in enumerate(mine))
+    n = infra.all_sum(torch.tensor([float(solved), float(len(mine))]))  # [solved, prompts] over ranks
+    return {"train/teacher_pass": n[0] / n[1].clamp(min=1), "time/teacher_pass_s": time.time() - t0}

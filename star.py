@@ -6,12 +6,17 @@ Both sample from the current model, keep what the verifier accepts and fine-tune
      prompts carries the answer as a hint (STaR §3.2 shows rationalisation in its few-shot prompt: a model that
      never saw a hint ignores one). The result is the base model M_0.
   1. Sample k = expert_samples completions o ~ M_{n-1}(·|q) for each problem q of a fixed pool: the first
-     train_size problems of the "rl" stream (or the whole train_file for gsm8k / math).
+     train_size problems of the "rl" stream (or the whole train_file for gsm8k / math). With a teacher folder,
+     o ~ π_T(·|q) instead: off-policy distillation, SFT on a stronger model's own samples (issue 26's arm (d));
+     each iteration draws fresh samples, so use it with rft (star restarts from M_0 and would see one iteration's).
   2. Keep o iff the verifier accepts it: answer equivalent to the gold (verify.py), finished (an EOS, not cut
      at max_new_tokens) and, with the r1 template, well formatted (verify.format_reward); then deduplicate
      and keep at most m = expert_max_per_problem per problem. Fine-tuning on the kept set is the STaR policy
      gradient with the indicator reward 1[o correct] (STaR §3.1, eq. 1-2) and R1's rejection sampling (§2.3.3).
-  3. star with rationalize (STaR §3.2): each problem with nothing kept in 2 is sampled again with the gold
+     expert_filter = false keeps every sample (duplicates and unfinished ones too, at most m per problem): with a
+     teacher, the NLL on its samples estimates the forward KL(π_T‖π_θ) up to π_T's entropy (sequence-level KD, Kim
+     & Rush 2016), the counterpart of on-policy distillation's reverse KL (distill.py).
+  3. star with rationalize, no teacher (STaR §3.2): each problem with nothing kept in 2 is sampled again with the gold
      answer as a hint, hint_prompt(q); rationales that reach the gold are kept, paired with the prompt WITHOUT
      the hint, so the model learns to produce them unaided.
   4. Fine-tune with grpo.sft_loss for expert_sft_steps steps on batches of sft_batch_size drawn (seeded, without
@@ -64,6 +69,7 @@ class StarConfig(train.Config):
     expert_from_base: bool = True       # STaR §3.1: fine-tune the cold-start model each iteration (star only)
     rationalize: bool = True            # STaR §3.2: retry unsolved problems with the answer as a hint (star only)
     hint_sft_frac: float = 0.0          # STaR §3.2 (hinted few-shot examples): share of hinted cold-start prompts
+    expert_filter: bool = True          # step 2: keep only verified samples; false: all (with a teacher: seq-level KD)
 
     CHOICES: ClassVar[dict] = {**train.Config.CHOICES, "algo": ("star", "rft")}
 
@@ -77,8 +83,11 @@ def hint_prompt(p: tasks.Problem, task: str) -> str:
     raise ValueError(f"no answer hint for task {task!r} (countdown's gold is its target, already in the prompt)")
 
 
-def keep(g: train.Group, template: str, max_per_problem: int) -> list[int]:
-    """Step 2: indices of the samples of one group the verifier accepts, deduplicated, at most m of them."""
+def keep(g: train.Group, template: str, max_per_problem: int, filtered: bool = True) -> list[int]:
+    """Step 2: indices of the samples of one group the verifier accepts, deduplicated, at most m of them; not
+    filtered: the first m samples, whatever they are (m = 0: all)."""
+    if not filtered:
+        return list(range(len(g.texts)))[:max_per_problem or None]
     out, seen = [], set()
     for i, (text, ok, cut) in enumerate(zip(g.texts, g.scores, g.truncated)):
         if ok >= 1 and not cut and (template != "r1" or verify.format_reward(text) >= 1) and text not in seen:
@@ -94,11 +103,12 @@ def steps_ok(text: str) -> bool:
 
 
 def sample(run: train.Run, problems: list, keys: tuple) -> list[train.Group]:
-    """k samples per problem, in batches of prompts_per_step problems; groups in the order of `problems`."""
+    """k samples per problem (from the teacher when there is one), in batches of prompts_per_step problems; groups in
+    the order of `problems`."""
     cfg, out, n = run.cfg, [], max(1, run.cfg.prompts_per_step)
     for a in range(0, len(problems), n):
         out += train.sample_groups(run, problems[a:a + n], cfg.expert_samples, cfg.temperature, (*keys, a),
-                                   cfg.max_new_tokens)
+                                   cfg.max_new_tokens, model=run.teacher)
     return out
 
 
@@ -107,13 +117,13 @@ def collect(run: train.Run, pool: list, it: int) -> tuple[list, dict]:
     cfg = run.cfg
     data, unsolved, n_samples, n_correct, ok = [], [], 0, 0.0, [[], []]  # ok: steps_ok of kept [plain, hinted]
     for (pid, p), g in zip(pool, sample(run, pool, (cfg.seed, it, 0))):
-        kept = keep(g, cfg.template, cfg.expert_max_per_problem)
+        kept = keep(g, cfg.template, cfg.expert_max_per_problem, cfg.expert_filter)
         data += [(g.prompt, g.comps[i]) for i in kept]
         ok[0] += [steps_ok(g.texts[i]) for i in kept]
         n_samples, n_correct = n_samples + len(g.scores), n_correct + sum(g.scores)
-        if not kept:
-            unsolved.append((pid, p))
-    rescued, rationalise = 0, cfg.algo == "star" and cfg.rationalize
+        if not (kept if cfg.expert_filter else keep(g, cfg.template, cfg.expert_max_per_problem)):
+            unsolved.append((pid, p))  # nothing the verifier accepts
+    rescued, rationalise = 0, cfg.algo == "star" and cfg.rationalize and not cfg.teacher  # it never saw a hint
     if rationalise and unsolved:
         hinted = [(pid, dataclasses.replace(p, prompt=hint_prompt(p, cfg.task))) for pid, p in unsolved]
         for (pid, p), g in zip(unsolved, sample(run, hinted, (cfg.seed, it, 1))):
@@ -155,7 +165,8 @@ def main(cfg: StarConfig) -> dict:
     total = cfg.sft_steps + cfg.expert_iters * cfg.expert_sft_steps  # for the console's ETA
     logger = Logger(run.proc, cfg.out_dir, dataclasses.asdict(cfg), cfg.wandb_mode, cfg.wandb_project, 0, total)
     if run.proc.rank == 0:
-        print(cli.banner(cfg, f"{stage}: sample {cfg.expert_samples}/problem, keep the verified, fine-tune",
+        source, kept = " from the teacher" if cfg.teacher else "", "the verified" if cfg.expert_filter else "all"
+        print(cli.banner(cfg, f"{stage}: sample {cfg.expert_samples}/problem{source}, keep {kept}, fine-tune",
                          run.model, run.proc), flush=True)
     # ---------------------------------------------------------------------------- step 0: cold start
     # train_size bounds the pool of step 1, not the cold start

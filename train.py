@@ -98,8 +98,7 @@ class Config:
     top_k: int = 0
     top_p: float = 1.0
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
-    reward: str = "outcome"             # outcome (the verifier's score) | process (DeepSeekMath §4.1.3, arithmetic)
-                                        # | none (no verifier advantage: pure distillation with a teacher)
+    reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
                                         # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
@@ -130,6 +129,7 @@ class Config:
     ref_update_every: int = 0           # refresh π_ref ← π_θ every K steps (0: never)
     teacher: str = ""                   # on-policy distillation (GKD, Agarwal et al. 2024; Thinking Machines 2025):
     opd_weight: float = 1.0             #   a teacher's folder; Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
+    teacher_pass_every: int = 10        #   the teacher's greedy pass rate on a step's P prompts every K steps (0: off)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
     max_sample_tries: int = 4           # rounds of refill before training on what was found
     skip_saturated_k: int = 0           # skip prompts saturated (all right or all wrong) on their last k visits
@@ -257,14 +257,14 @@ def make_optimizer(run: Run, lr: float, total: int):
 
 # ============================================================================================ 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float, seed_keys,
-                  max_new_tokens: int, first: int = 0) -> list[Group]:
-    """G scored completions of each problem, all groups on every rank in `problems` order. Rank r samples problems r,
-    r + world, ...; row seeds from (seed_keys, first + position, sample): any rank count or chunking, same tokens."""
+                  max_new_tokens: int, first: int = 0, model=None) -> list[Group]:
+    """G scored completions of each problem by `model` (default: the policy; star.py's teacher), all groups on every
+    rank in `problems` order. Rank r samples r, r + world, ...; row seeds (seed_keys, first + position, sample)."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    model = infra.sampling(run.sampler, run.model)  # every rank refreshes a stale copy, even one with no prompts
+    model = infra.sampling(run.sampler, run.model) if model is None else model  # all ranks gather, prompts or none
     ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                            top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
     groups, (ids, mask, lp, cut, bad) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
@@ -450,7 +450,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             a = adv[r, :Lm] if adv.dim() == 2 else adv[r]
             if run.teacher is not None:  # on-policy distillation: Â_t += w·(log π_T − log π_old)(o_t) (distill.py)
                 teach[b] = teach[b] if epoch else distill.teacher_logprobs(run, prompts, comps, rows)
-                a = distill.opd_advantage(a, teach[b], old[b], m, cfg.opd_weight)
+                a = distill.opd_advantage(a, teach[b].logp, old[b], m, cfg.opd_weight)
             if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to the trainer's π_old
                 weight, tis = grpo.tis_weights(old[b], sampler[r, :Lm], m, cfg.tis, cfg.tis_mode, cfg.tis_cap)
             if cfg.top_entropy_q < 1:
@@ -475,7 +475,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                 infra.add_sums(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
                                    "train/mismatch_kl": (torch.expm1(d) - d).sum(),  # k3 of KL(μ‖π_old)
                                    **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
-                                   **distill.metrics(run, prompts, comps, rows, teach.get(b), old[b], m)})
+                                   **distill.metrics(run, teach.get(b), old[b], m)})
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
         guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
@@ -485,7 +485,8 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     return {"time/rollout_s": t1 - t0, "time/sample_tok_per_s": tokens / (t1 - t0), **stats,  # async: the sampler's
             **{k: v / (1 if k == "train/loss" else n) for k, v in out.items()}, **top,
             "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0], "time/train_s": time.time() - t1,
-            "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups))}
+            "train/completion_len": sum(len(c) for g in groups for c in g.comps) / (G * len(groups)),
+            **distill.teacher_pass(run, groups, step)}  # after time/train_s: its own time/teacher_pass_s
 
 
 # ============================================================================================== evaluation

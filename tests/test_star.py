@@ -2,8 +2,10 @@
 hint never reaching a training example, seeded batches, and an end-to-end STaR / RFT run on a micro model."""
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from safetensors.torch import load_file
@@ -13,6 +15,7 @@ import star
 import tasks
 import train
 from cli import UserError
+from test_distill import hashes_then
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -58,6 +61,8 @@ def test_keep_is_verified_finished_deduplicated_and_capped():
               [False, False, False, False, True, False])
     assert star.keep(g, "plain", 0) == [0, 2, 5]  # 1 duplicates 0, 3 is wrong, 4 never finished
     assert star.keep(g, "plain", 2) == [0, 2]
+    assert star.keep(g, "plain", 0, filtered=False) == [0, 1, 2, 3, 4, 5]  # expert_filter = false: every sample
+    assert star.keep(g, "plain", 2, filtered=False) == [0, 1]
     ok, bad = "<think> 1+2=3 </think> <answer> 3 </answer>", "<answer> 3 </answer>"
     g = group([ok, bad, ok + " ", "<think> x </think> <answer> 4 </answer>"], [1, 1, 1, 0])
     assert star.keep(g, "r1", 0) == [0, 2] and star.keep(g, "plain", 0) == [0, 1, 2]
@@ -72,7 +77,8 @@ def fake_rollouts(tr, outcomes, calls, monkeypatch):
     task."""
     pool = [tr.task.problem("rl", i)[1].prompt for i in range(tr.cfg.train_size)]
 
-    def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens):
+    def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens, model=None):
+        assert model is None  # no teacher: the policy samples
         calls.append([p.prompt for _, p in problems])
         out = []
         for j, (pid, p) in enumerate(problems):
@@ -138,6 +144,30 @@ def test_rft_keeps_exactly_the_verified_capped_deduplicated_samples(tmp_path, mo
     want = [(0, right(p[0])), (0, right(p[0], 1)), (1, right(p[1], 3)), (3, right(p[3], 4)), (3, right(p[3], 5))]
     assert data == [(tr.task.prompt_ids(p[i]), enc(tr, t)) for i, t in want]
     assert len(calls) == 1 and stats["expert/solved"] == 0.75 and stats["expert/rescued"] == 0
+
+
+def test_rft_on_a_teachers_samples(tmp_path):
+    """Issue 26's arm (d): with a teacher, star.py fine-tunes on the teacher's samples, not the policy's. The
+    teacher (test_distill.hashes_then) answers `digit` to every problem as "####...#digit": every sample has that
+    form; the verified set, one per problem, holds one example per pool problem whose gold is the digit, and
+    expert_filter = false keeps all k samples of every problem."""
+    pool_args = ["--config", SMOKE, "--train_size=8", "--rl_min_ops=1", "--rl_max_ops=1", "--max_operand=3",
+                 "--expert_samples=3", "--prompts_per_step=4", "--sft_steps=0", "--algo=rft", "--expert_iters=1",
+                 "--expert_sft_steps=2", "--eval_n=4", "--eval_k=2"]
+    tr = train.build_run(parse(pool_args))
+    pool = [tr.task.problem("rl", i) for i in range(8)]
+    digit = Counter(p.gold for _, p in pool if p.gold in "0123456789").most_common(1)[0][0]
+    n_digit = sum(p.gold == digit for _, p in pool)
+    assert 0 < n_digit < 8
+    args = pool_args + [f"--teacher={hashes_then(tmp_path / 't', digit, sharp=10.0)}"]
+    groups = star.sample(train.build_run(parse(args)), pool, (0, 1, 0))
+    assert all(re.fullmatch("#{4,}" + digit, t) for g in groups for t in g.texts), [g.texts for g in groups]
+    for filtered, m, size in (("true", 1, n_digit), ("false", 0, 8 * 3)):
+        out = tmp_path / filtered
+        star.main(parse(args + [f"--expert_filter={filtered}", f"--expert_max_per_problem={m}", f"--out_dir={out}"]))
+        rec = [r for r in records(out) if "expert/dataset_size" in r][-1]
+        assert rec["expert/dataset_size"] == size and rec["expert/sample_accuracy"] == n_digit / 8
+        assert rec["expert/solved"] == n_digit / 8 and rec["expert/steps_ok"] == 0  # "####7" has no steps
 
 
 def test_cold_start_mixes_hints_and_batches_are_seeded(tmp_path):

@@ -90,9 +90,10 @@ class Link:
         self.step, self.heads, self.pending, self.works = 0, 0, deque(), []
         self.allowed = self.received = 0  # the last step the samplers may sample; the last step taken from them
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self.store = dist.PrefixStore("async_rl/", dist.TCPStore(addr, port, is_master=False, timeout=timedelta(
+        prefix = f"async_rl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restarted job's keys are new
+        self.store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(
             seconds=cfg.async_timeout)))
-        beat = dist.PrefixStore("async_rl/", dist.TCPStore(addr, port, is_master=False))  # its own client
+        beat = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False))  # the beat thread's own client
         threading.Thread(target=self._beat, args=(beat,), daemon=True).start()
 
     def _beat(self, store):

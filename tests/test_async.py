@@ -3,6 +3,7 @@
 the other with an error naming it, and a run killed with -9 at K = 1 resumes to the uninterrupted run's weights."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,3 +151,20 @@ def test_killed_async_run_resumes_exactly_at_staleness_1(tmp_path):
 def test_sampler_ranks_must_leave_a_trainer():
     with pytest.raises(Exception, match="sampler_ranks = 1 leaves no trainer rank"):
         train.build_run(train.parse_args(["--config", SMOKE, "--sampler_ranks=1"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,extra", [(2, []), (3, ["--sampler_ranks=1", "--max_staleness=1"])])
+def test_sharded_trainers_resume_from_a_checkpoint_exactly(tmp_path, nproc, extra):
+    """FSDP2 over 2 trainer ranks (colocated, or beside a sampler: the side's own group): a resume from step 5's
+    checkpoint (the later ones removed) ends where the whole run did. infra.full_state gathers the optimizer state
+    itself; dcp's "rank 0 only" would mean global rank 0, the sampler."""
+    args = ARGS + extra + ["--rl_steps=6", "--ckpt_every=5", "--keep_ckpts=0", "--prompts_per_step=3"]
+    run(args + [f"--out_dir={tmp_path / 'full'}"], nproc)
+    shutil.copytree(tmp_path / "full", tmp_path / "again")
+    shutil.rmtree(tmp_path / "again" / "step_9")
+    run(args + [f"--out_dir={tmp_path / 'again'}", "--resume"], nproc)
+    strip = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(tmp_path / "again")]
+    assert strip == [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(tmp_path / "full")]
+    a, b = (load_file(tmp_path / d / "step_9" / "model.safetensors") for d in ("full", "again"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import checks
 import distill
 import grpo
+import infra
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
@@ -190,7 +191,7 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
     log π_T(o_t) and the full-vocabulary KL; the losses, gradient norms, sampled-token KL and weights are those of a
     run without the exact KL (EXACT_KL_MAX_V = 0: log π_T from rollout.score, the path the exact KL never touched)."""
     counts = {"forward": 0, "micro_batches": 0}
-    load, plan = distill.load_teacher, train.rank_micro_batches
+    load, plan = distill.load_teacher, infra.rank_micro_batches
 
     def counted_teacher(*a):
         teacher = load(*a)
@@ -207,7 +208,7 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
         counts["micro_batches"] += len(out)
         return out
     monkeypatch.setattr(distill, "load_teacher", counted_teacher)
-    monkeypatch.setattr(train, "rank_micro_batches", counted_plan)
+    monkeypatch.setattr(infra, "rank_micro_batches", counted_plan)
     args = opd_args(tmp_path, "--ppo_epochs=2", "--micro_batch_tokens=64", "--rl_steps=3", "--sft_steps=0",
                     "--teacher_pass_every=0")  # RL only; no teacher generate
     train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'exact'}"]))

@@ -174,3 +174,18 @@ def test_two_nccl_ranks_match_one(tmp_path):
             assert abs(a["train/loss"] - b["train/loss"]) < (2e-2 if a["stage"] == "sft" else 0.1)
         if "train/reward" in a:
             assert abs(a["train/reward"] - b["train/reward"]) <= 0.25
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_async_one_sampler_gpu_one_trainer_gpu_over_nccl(tmp_path):
+    """async_rl.py on NCCL (CPU tests run gloo, which accepts what NCCL rejects): 1 sampler GPU + 1 trainer GPU at
+    K = 1, CUDA-graph decoding on the sampler, bf16 weights in buckets; the run ends, staleness 0 then 1."""
+    args = SMOKE[:2] + ["--device=auto", "--wandb_mode=disabled", "--sft_steps=2", "--rl_steps=4", "--eval_every=100",
+                        "--eval_n=8", "--overlong_buffer=20", "--ckpt_every=3", "--sampler_ranks=1",
+                        "--max_staleness=1", "--async_timeout=120", f"--out_dir={tmp_path / 'async'}"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tmp_path / "async" / "metrics.jsonl")]
+    assert [r["train/staleness"] for r in recs if "train/staleness" in r] == [0, 1, 1, 1]

@@ -107,24 +107,22 @@ class Link:
                         f"{self.peer})" + (f": {err}" if err else "")) from err
 
     def wait_key(self, key: str, what: str) -> bytes:
-        """The store's value at key once the other side sets it; raises once the peer's beat stops for timeout s."""
-        last, seen = None, time.time()
+        """The store's value at key once the other side sets it; raises once the peer's beat stops for timeout s.
+        Polls (check, then a sleep growing to 10 ms): a timed store.wait logs a warning each time it expires."""
+        last, seen, nap = None, time.time(), 1e-4
         while True:
             try:
-                self.store.wait([key], timedelta(seconds=BEAT_S))
-                return self.store.get(key)
-            except dist.DistStoreError:  # not there yet: is the peer alive?
-                pass
-            except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) is gone
-                self.fail(f"the store went away while waiting for {what}", e)
-            try:
+                if self.store.check([key]):
+                    return self.store.get(key)
                 beat = self.store.add(f"beat/{self.peer}", 0)
-            except dist.DistError as e:
+            except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) is gone
                 self.fail(f"the store went away while waiting for {what}", e)
             if beat != last:
                 last, seen = beat, time.time()
             elif time.time() - seen > self.timeout:
                 self.fail(f"no {what} and no sign of life for async_timeout = {self.timeout:g} s")
+            time.sleep(nap)
+            nap = min(2 * nap, 0.01)
 
     def collective(self, fn, what: str):
         try:

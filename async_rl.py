@@ -156,12 +156,16 @@ class Link:
         self.allowed = head["allowed"]
         if self.proc.rank != 0:
             return
-        for w in self.works:  # the previous post: received by now in any run that keeps K's promise
-            self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), "the previous weight broadcast")
+        self.await_posts("the previous weight broadcast")  # received by now in any run that keeps K's promise
         flat = [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets(model)]
         self.post(head)  # the header first: a sampler joins the broadcasts once it reads it
         self.works = [self.collective(lambda: dist.broadcast(f, self.leader, group=self.weights, async_op=True),
                                       "posting the weights") for f in flat]
+
+    def await_posts(self, what: str):
+        """Trainer leader: the weight broadcasts posted last have reached the samplers (their buffers may go)."""
+        for w in self.works:
+            self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), what)
 
     def post(self, head: dict):
         self.store.set(f"head/{self.heads}", pickle.dumps(head))
@@ -223,16 +227,14 @@ class Link:
         while self.received < self.allowed:
             self.receive(state)
         if self.proc.rank == 0:
-            for w in self.works:
-                self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), "the last weight broadcast")
+            self.await_posts("the last weight broadcast")
             self.post({"stop": True})
 
 
 def sampler_loop(run, state, draw) -> dict:
     """A sampler rank's whole run: wait for the RL stage, then sample every allowed step with the newest weights it
     was sent (draw = train.dynamic_sampling) until the trainers say stop."""
-    link, G = run.link, run.cfg.group_size
-    t0 = time.time()
+    link, t0 = run.link, time.time()
     head = link.receive_weights(run.model)
     for k, v in head["state"].items():
         setattr(state, k, v)

@@ -473,9 +473,9 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                     maxes[k] = torch.maximum(maxes.get(k, v), v)
                 tok = met.pop("tokens")
                 infra.add_sums(sums, {"train/loss": loss, "n": tok, "train/entropy": (ent * m).sum(),
-                                   "train/mismatch_kl": (torch.expm1(d) - d).sum(),  # k3 of KL(μ‖π_old)
-                                   **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
-                                   **distill.metrics(run, teach.get(b), old[b], m)})
+                                      "train/mismatch_kl": (torch.expm1(d) - d).sum(),  # k3 of KL(μ‖π_old)
+                                      **{f"train/{k}": v * tok for k, v in {**met, **tis}.items()},
+                                      **distill.metrics(run, teach.get(b), old[b], m)})
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # a NaN loss on any rank: all skip
         guard.name_bad_rows(step, proc.rank, losses, plan, [f"{groups[k].pid}/{i}" for k, i in mine] + ["pad"])
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step

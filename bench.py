@@ -324,7 +324,7 @@ results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dt
 jobs = {}
 for i, (P, G, new) in enumerate(settings):
     prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
-    for T, static in itertools.product((0.0, 1.0), (False, True) if args.static and i == 0 else (False,)):
+    for T, static in itertools.product((0.0, 1.0), (False, True) if args.static else (False,)):
         jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T,
                                                                      seed=0, static=static), P * G * new)
 P, G, new = settings[0]

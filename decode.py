@@ -115,11 +115,11 @@ _CAP = weakref.WeakKeyDictionary()      # model -> their capacity (cache slots, 
 _COMPILED = {}                          # device type -> the compiled step
 # device type -> generate(static=None) runs the compiled step. The rule: compiling pays after (compile seconds) /
 # (seconds saved per call) calls of one sampling setting (a frame, compiled once per process). CUDA: always (the
-# graphs save far more than they cost). CPU (inductor, one thread, a shared 2-core machine): the demo's model (0.8M,
-# 128 rows x 56 tokens) runs a call in 0.68 s vs 0.96 eagerly after a 54 s first call (20 s from a warm inductor
-# cache): ~180 calls (~70); 20M (64 rows x 64) saves 1-5 s a call after 150-220 s: 30-250 calls. A one-off
-# rollout.py call never pays; the demo (~300 sampled calls, a few greedy) at best breaks even: eager, unless a
-# process makes hundreds of calls of one setting (pass static=True).
+# graphs save far more than they cost). CPU (inductor, 2 threads, quiet; RESULTS.md §8): the demo's model (0.8M, 128
+# rows x 56 tokens) saves ~0.3 s a call after a 54 s first call (20 s from a warm inductor cache): ~180 calls; 2M
+# (64 x 128) 1.24-1.29x, 20M at the RL bench's 32 x 64 1.16x (1.77 -> 1.54 s a call) after 150-220 s: ~700 calls.
+# A one-off rollout.py call never pays; the demo (~300 sampled calls) at best breaks even: eager, unless a process
+# makes ~10^3 calls of one setting (static=True; train.py --cpu_compile).
 STATIC_BY_DEFAULT = {"cuda": True}
 _FX = torch.fx.experimental._config  # without duck sizing, a batch of 64 rows = head_dim is no special case
 NO_DUCK = _FX.patch(use_duck_shape=False) if hasattr(_FX, "use_duck_shape") else contextlib.nullcontext()

@@ -13,8 +13,7 @@ FSDP2, checkpoints: infra.py; the sampler: rollout.py; sampler ranks K versions 
 
   python train.py                                        # the CPU demo: SFT on a sloppy teacher, then DAPO
   python train.py --config configs/smoke.toml --rl_steps=8
-  torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml
-"""
+  torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml"""
 import bisect
 import dataclasses
 import itertools
@@ -97,6 +96,7 @@ class Config:
     temperature: float = 1.0            # sampling and scoring temperature (the trainer scores logits / T)
     top_k: int = 0
     top_p: float = 1.0
+    cpu_compile: bool = False           # CPU too: the compiled decode step (CUDA: always); pays after ~10³ calls
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
     reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
@@ -266,7 +266,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
     model = infra.sampling(run.sampler, run.model) if model is None else model  # all ranks gather, prompts or none
     ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                           top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds)
+                           top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds, static=cfg.cpu_compile or None)
     groups, (ids, mask, lp, cut, bad) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
                                                                 ro.truncated, ro.nonfinite)] if mine else [None] * 5
     for a, j in enumerate(mine):

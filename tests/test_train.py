@@ -144,6 +144,23 @@ def test_smoke_run_sft_then_rl(tmp_path):
     assert m.config.hidden_size == 32 and os.path.exists(os.path.join(out, "step_10", "tokenizer.json"))
 
 
+def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, monkeypatch):
+    """--cpu_compile=true routes train's sampling through the compiled step on CPU (here its plain-PyTorch body:
+    decode.step without the compiler, as tests/test_rollout.py runs it); the default stays eager; same groups."""
+    import decode
+    import rollout
+    calls = []
+    monkeypatch.setattr(rollout, "compiled_step", lambda dev: lambda m, d: calls.append(len(d.tok)) or decode.step(m, d))
+    got = {}
+    for flag in (False, True):
+        run = train.build_run(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--threads=1",
+                                                f"--cpu_compile={str(flag).lower()}"]))
+        problems = [run.task.problem("rl", k) for k in range(3)]
+        got[flag] = [(g.comps, g.scores) for g in train.sample_groups(run, problems, 4, 1.0, (0, 1), 12)]
+        assert bool(calls) == flag, (flag, calls)
+    assert got[True] == got[False] and any(len(c) > 1 for comps, _ in got[True] for c in comps)
+
+
 def run_cli(args, nproc=1, timeout=300):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [os.path.join(ROOT, "train.py")] + args

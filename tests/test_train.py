@@ -150,7 +150,8 @@ def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, 
     import decode
     import rollout
     calls = []
-    monkeypatch.setattr(rollout, "compiled_step", lambda dev: lambda m, d: calls.append(len(d.tok)) or decode.step(m, d))
+    monkeypatch.setattr(rollout, "compiled_step", lambda dev: lambda m, d: calls.append(len(d.tok)) or
+                        decode.step(m, d))
     got = {}
     for flag in (False, True):
         run = train.build_run(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--threads=1",

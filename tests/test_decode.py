@@ -51,6 +51,7 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
     monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})  # widths in chunks as on CUDA: the last = the whole cache
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.compilation_time_metrics.clear()
     m, largest = tiny(layers=1), 0
     calls = [(8, 0.0, STOP), (32, 1.0, STOP), (64, 1.0, STOP), (40, 1.0, STOP), (7, 1.0, ()), (28, 0.0, STOP),
              (100, 1.0, STOP), (16, 1.0, (5,)), (64, 0.0, STOP), (24, 1.0, STOP)]
@@ -66,7 +67,9 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
             assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.lengths, want.lengths)
             assert (got.logprobs - want.logprobs).abs().max() < 2e-5
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    attempts = [k for k in torch._dynamo.utils.compilation_time_metrics if k.startswith("compile_attempt_")]
     torch._dynamo.reset()
+    assert attempts == ["compile_attempt_0"], attempts  # each frame traced once: no restart over a float scalar
     assert frames <= 2, frames  # greedy and sampled: one frame each, whatever the batch, width, stop ids or length
     assert largest == 64 and decode.held_rows(m) <= chain(64) == 120
 
@@ -84,6 +87,19 @@ def test_a_nan_row_of_logits_samples_an_in_range_token(monkeypatch):
             assert ((0 <= tok) & (tok < V)).all() and lp[1].isnan() and lp[[0, 2]].isfinite().all()
             ok, _ = sample(z[[0, 2]], u[[0, 2]] if u is not None else None)
             assert torch.equal(tok[[0, 2]], ok)
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    """Greedy sample() on rows with tied maxima (integer logits) picks the first maximum, as a Python scan does,
+    at a small vocabulary and at one where the CPU reduction runs vectorized; its log-prob is log_softmax's."""
+    torch.manual_seed(0)
+    for V in (7, 4099):
+        z = torch.randint(-4, 2, (16, V)).float()
+        z[3, -1] = 9.0  # the maximum last
+        tok, lp = sample(z, None)
+        want = [max(range(V), key=lambda j, row=row: (row[j], -j)) for row in z.tolist()]
+        assert tok.tolist() == want
+        assert torch.equal(lp, z.log_softmax(-1)[torch.arange(16), tok])
 
 
 class NaNAfterPrefill(Transformer):

@@ -115,12 +115,12 @@ _CAP = weakref.WeakKeyDictionary()      # model -> their capacity (cache slots, 
 _COMPILED = {}                          # device type -> the compiled step
 # device type -> generate(static=None) runs the compiled step. The rule: compiling pays after (compile seconds) /
 # (seconds saved per call) calls of one sampling setting (a frame, compiled once per process). CUDA: always (the
-# graphs save far more than they cost). CPU (inductor, 2 threads, quiet; RESULTS.md §8): the demo's model (0.8M, 128
-# rows x 56 tokens) saves ~0.3 s a call after a 54 s first call (20 s from a warm inductor cache): ~180 calls; 2M
-# (64 x 128) 1.24-1.29x, 20M at the RL bench's 32 x 64 1.16x (1.77 -> 1.54 s a call) after 150-220 s: ~700 calls.
-# A one-off rollout.py call never pays; the demo (~300 sampled calls) at best breaks even: eager, unless a process
-# makes ~10^3 calls of one setting (static=True; train.py --cpu_compile).
+# graphs save far more than they cost). CPU (inductor, 2 threads, quiet; RESULTS.md §8): the demo (0.8M, 517 RL calls
+# of <= 128 rows x 56 tokens) saves 23 s of sampling after a 46 s cold compile of its two frames (~10 s warm): ~1,000
+# calls to pay; 20M at the RL bench's 32 x 64 saves ~0.24 s a call after 150-220 s: ~700. A one-off call never pays.
+# So eager, unless train.py plans CPU_COMPILE_RL_STEPS untimed RL steps (~2.5 calls each: infra.compiled_sampling).
 STATIC_BY_DEFAULT = {"cuda": True}
+CPU_COMPILE_RL_STEPS = 1000
 _FX = torch.fx.experimental._config  # without duck sizing, a batch of 64 rows = head_dim is no special case
 NO_DUCK = _FX.patch(use_duck_shape=False) if hasattr(_FX, "use_duck_shape") else contextlib.nullcontext()
 

@@ -6,7 +6,8 @@
      (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
      computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily, one
-     parameter at a time); grad_sync: gradients reduce-scattered once per optimizer step, not per micro-batch.
+     parameter at a time); grad_sync: gradients reduce-scattered once per optimizer step, not per micro-batch;
+     compiled_sampling: whether generate runs the compiled decode step (train.py's cpu_compile).
   4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
 The Logger (console, metrics.jsonl, W&B) lives in logger.py.
 """
@@ -23,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import decode
 from model import Transformer
 
 
@@ -185,6 +187,14 @@ def grad_sync(model, on: bool):
 def sampling_copy(model, proc: Proc) -> Transformer | None:
     """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None: sample `model`."""
     return frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
+
+
+def compiled_sampling(cfg) -> bool | None:
+    """generate's static for train.py's cpu_compile: True, or None (the device's default: CUDA compiled, CPU eager);
+    "auto" compiles from decode.CPU_COMPILE_RL_STEPS planned RL steps, where the compile pays (decode.py's rule),
+    except in a run timed by rl_minutes (an equal-time arm of a few minutes would spend one of them compiling)."""
+    auto = cfg.cpu_compile == "auto" and cfg.rl_steps >= decode.CPU_COMPILE_RL_STEPS and not cfg.rl_minutes
+    return cfg.cpu_compile == "true" or auto or None
 
 
 def sampling(copy, model):

@@ -96,7 +96,7 @@ class Config:
     temperature: float = 1.0            # sampling and scoring temperature (the trainer scores logits / T)
     top_k: int = 0
     top_p: float = 1.0
-    cpu_compile: bool = False           # CPU too: the compiled decode step (CUDA: always); pays after ~10³ calls
+    cpu_compile: str = "auto"           # the compiled decode step on CPU: true | false | auto (infra.compiled_sampling)
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
     reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
@@ -168,7 +168,7 @@ class Config:
         "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process", "none"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("auto", "none") + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
-        "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"),
+        "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
         "save_dtype": ("", "float32", "bfloat16", "float16")}
 
     def __post_init__(self):  # tis = "auto": async_rl.py's clipped behaviour correction once rollouts may be stale
@@ -265,8 +265,8 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
     model = infra.sampling(run.sampler, run.model) if model is None else model  # all ranks gather, prompts or none
-    ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                           top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds, static=cfg.cpu_compile or None)
+    ro = mine and generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                           stop_ids=run.task.stop_ids, seed=seeds, static=infra.compiled_sampling(cfg))
     groups, (ids, mask, lp, cut, bad) = [], [x.cpu() for x in (ro.completion_ids, ro.completion_mask, ro.logprobs,
                                                                 ro.truncated, ro.nonfinite)] if mine else [None] * 5
     for a, j in enumerate(mine):

@@ -148,18 +148,28 @@ def test_smoke_run_sft_then_rl(tmp_path):
 
 def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, monkeypatch):
     """--cpu_compile=true routes train's sampling through the compiled step on CPU (here its plain-PyTorch body:
-    decode.step without the compiler, as tests/test_rollout.py runs it); the default stays eager; same groups."""
+    decode.step without the compiler, as tests/test_rollout.py runs it), false never does, and the default, auto,
+    does from decode.CPU_COMPILE_RL_STEPS planned RL steps (smoke.toml plans 4) unless rl_minutes times the run; the
+    same groups every way."""
     calls = []
     monkeypatch.setattr(rollout, "compiled_step", lambda dev: lambda m, d: calls.append(len(d.tok)) or
                         decode.step(m, d))
     got = {}
-    for flag in (False, True):
+    cases = (("false", 1, 0, False), ("true", 10**6, 0, True), ("auto", 5, 0, False), ("auto", 4, 0, True),
+             ("auto", 4, 3, False))  # (cpu_compile, CPU_COMPILE_RL_STEPS, rl_minutes, compiled?)
+    for flag, threshold, minutes, static in cases:
+        monkeypatch.setattr(decode, "CPU_COMPILE_RL_STEPS", threshold)
         run = train.build_run(train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--threads=1",
-                                                f"--cpu_compile={str(flag).lower()}"]))
+                                                f"--cpu_compile={flag}", f"--rl_minutes={minutes}"]))
         problems = [run.task.problem("rl", k) for k in range(3)]
-        got[flag] = [(g.comps, g.scores) for g in train.sample_groups(run, problems, 4, 1.0, (0, 1), 12)]
-        assert bool(calls) == flag, (flag, calls)
-    assert got[True] == got[False] and any(len(c) > 1 for comps, _ in got[True] for c in comps)
+        calls.clear()
+        got[flag, threshold, minutes] = [(g.comps, g.scores)
+                                         for g in train.sample_groups(run, problems, 4, 1.0, (0, 1), 12)]
+        assert bool(calls) == static, (flag, threshold, minutes, calls)
+    first = got["false", 1, 0]
+    assert all(v == first for v in got.values()) and any(len(c) > 1 for comps, _ in first for c in comps)
+    with pytest.raises(SystemExit, match="cpu_compile"):
+        train.parse_args(["--config", SMOKE, "--cpu_compile=yes"])
 
 
 def run_cli(args, nproc=1, timeout=300):

@@ -116,8 +116,8 @@ _COMPILED = {}                          # device type -> the compiled step
 # device type -> generate(static=None) runs the compiled step. The rule: compiling pays after (compile seconds) /
 # (seconds saved per call) calls of one sampling setting (a frame, compiled once per process). CUDA: always (the
 # graphs save far more than they cost). CPU (inductor, 2 threads, quiet; RESULTS.md §8): the demo (0.8M, 517 RL calls
-# of <= 128 rows x 56 tokens) saves 23 s of sampling after a 46 s cold compile of its two frames (~10 s warm): ~1,000
-# calls to pay; 20M at the RL bench's 32 x 64 saves ~0.24 s a call after 150-220 s: ~700. A one-off call never pays.
+# of <= 128 rows x 56 tokens) saves 23 s of sampling after a 45 s cold compile of its two frames (~10 s warm): ~1,000
+# calls to pay; 20M at the RL bench's 32 x 64 saves 0.2 s a call (1.27 -> 1.07 s) after 90 s: ~450. A one-off: never.
 # So eager, unless train.py plans CPU_COMPILE_RL_STEPS untimed RL steps (~2.5 calls each: infra.compiled_sampling).
 STATIC_BY_DEFAULT = {"cuda": True}
 CPU_COMPILE_RL_STEPS = 1000

@@ -157,13 +157,16 @@ def train_and_evaluate(cfg: TrlConfig) -> dict:
     return out
 
 
-def random_checkpoint(path: str, preset: dict):
-    """A random Qwen2-shaped folder: our character tokenizer padded with filler tokens to a 4,096 vocabulary."""
+def random_checkpoint(path: str, preset: dict) -> Transformer:
+    """A random Qwen2-shaped folder: our character tokenizer padded with filler tokens to a 4,096 vocabulary; returns
+    the model it saved."""
     tok = build_char_tokenizer(tasks.CHARS)
     tok.add_special_tokens([f"<u{i}>" for i in range(4096 - tok.get_vocab_size())])
     torch.manual_seed(0)
-    Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=256,
-                            **preset)).save_pretrained(path, tok)
+    model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=256,
+                                    **preset))
+    model.save_pretrained(path, tok)
+    return model
 
 
 def bench(cfg: TrlConfig) -> dict:

@@ -89,8 +89,7 @@ def main():
     report = {}
     for size in a.sizes.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            random_checkpoint(folder, PRESETS[size])
-            n = sum(t.numel() for t in Transformer.from_pretrained(folder).parameters())
+            n = sum(t.numel() for t in random_checkpoint(folder, PRESETS[size]).parameters())
             prompts = torch.randint(3, 4096, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
             json.dump(prompts.tolist(), open(os.path.join(folder, "prompts.json"), "w"))
             best, toks = {}, {}

@@ -4,7 +4,7 @@ the other ranks train (FSDP2 over their own group), and the samplers run at most
   python -m torch.distributed.run --standalone --nproc_per_node=2 train.py --config configs/smoke.toml \
       --sampler_ranks=1 --max_staleness=1                                   # CPU: 1 sampler + 1 trainer (gloo)
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml \
-      --sampler_ranks=1 --max_staleness=1                                   # 1 GPU samples, 7 train
+      --sampler_ranks=2 --max_staleness=1                                   # 2 GPUs sample, 6 train
   torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \
       --config ... --sampler_ranks=4 --max_staleness=2                      # two nodes: global ranks 0-3 sample
 
@@ -12,29 +12,37 @@ Versions. π_v is the policy after optimizer step v; v0 is the RL stage's start 
 rollouts of RL step s are sampled with π_v, v = max(v0, s − 1 − K) exactly, so their staleness, the optimizer steps
 between the sampling weights and π_old (the weights step s starts from), is s − 1 − v = min(K, s − 1 − v0) ≤ K.
 K = 0 is the synchronous loop: the same weights, per-row seeds and numbers. The version is a function of s, never
-of timing: a run is reproducible and resumes exactly, and the samplers never wait while sampling a step takes no
-longer than training one (with K ≥ 1). The trainer asserts s − 1 − v ≤ K on every batch it takes.
+of timing: a run is reproducible and resumes exactly. The trainer asserts s − 1 − v ≤ K on every batch it takes.
 
-  1. At the RL stage's start the trainer leader (global rank k) sends the samplers a header (the TrainState: prompt
-     cursor and pass-rate memory; the version; the steps allowed) and π_v0; steps v0 + 1 .. v0 + 1 + K are allowed.
+  1. At the RL stage's start the trainer leader (global rank k) posts a header in the store (the TrainState:
+     prompt cursor and pass-rate memory; the version; the steps allowed) and broadcasts π_v0 to the samplers.
   2. The samplers sample each allowed step with DAPO's dynamic sampling and refill over the sampler ranks
-     (train.dynamic_sampling, the function the colocated loop calls); the sampler leader (rank 0) broadcasts
-     (step, version, groups, stats, TrainState after it) to the trainers, which receive P informative groups.
-  3. After optimizer step s the trainers gather the weights once (infra.sampling) and the leader posts them as
-     flat buckets of BUCKET_BYTES, one asynchronous broadcast each over a group of its own (the leader and the
-     samplers), then the header: version s, steps allowed up to s + 1 + K. A sampler picks them up between steps.
+     (train.dynamic_sampling, the function the colocated loop calls); the sampler leader (rank 0) puts (step,
+     version, groups, stats, TrainState after it) in the store, pickled in chunks; every trainer reads it there.
+  3. After optimizer step s the trainers gather the weights once (infra.sampling) and the leader posts the header
+     (version s, steps allowed up to s + 1 + K), then the weights as flat buckets of BUCKET_BYTES, one asynchronous
+     broadcast each over a group of its own (the leader and the samplers). A sampler takes the next header once it
+     has sampled every step the last one allowed (those need the weights it holds), then joins its broadcasts.
   4. The loss (objective() prints it): the sampler's log-probs are the behaviour policy μ = π_v; the PPO ratio is
      against the trainer's recomputed π_old, and tis reweights each token by w = min(π_old / μ, C) (decoupled PPO,
      Hilton et al. 2022; tis = "auto" is "token" / truncate for K > 0: an unclipped IS weight destabilised at K = 3
      in tinker-cookbook, a clipped one did not). train/mismatch_kl logs KL(μ‖π_old) on the sampled tokens (k3).
-No wait is unbounded: each process beats a counter in the store from a thread; a waiter whose peer's beat has not
-moved for async_timeout seconds, or whose collective fails (a dead peer's socket), raises an error naming its side,
-rank and step, and the whole torchrun job stops.
+Why no wait can close a cycle: rollouts go through the store, so a sampler never waits for a trainer except for a
+header, and every header is posted before its broadcast starts. A pending broadcast therefore completes once the
+samplers finish the step they are sampling, whatever the trainers do meanwhile (evaluate, save, a CUDA graph's
+synchronize), and the only collective between the sides is that one broadcast (one communicator, one order: safe
+under CUDA_DEVICE_MAX_CONNECTIONS=1). The leader still settles it (waits, then frees its buffers) before it builds
+the next, evaluates or saves. Every wait across the sides is bounded: each process beats a counter and its progress
+(step, collectives done) into the store from a thread; a waiter raises, naming both sides' ranks and steps, when the
+peer's beat stops for async_timeout seconds (dead), or its progress stops for collective_timeout seconds (hung;
+also the async groups' op timeout, so an eval or a checkpoint longer than async_timeout is no failure).
 Checkpoints at step s: the trainers first take the rollouts of steps s + 1 .. s + K (sampled with π_≤s−1, so
 already under way) and save them in trainer_state.pt with the samplers' TrainState after step s + K; a resume loads
 them, sends π_s and allows step s + K + 1. Nothing is re-sampled, so a resumed run equals the uninterrupted one.
 """
 import dataclasses
+import io
+import itertools
 import os
 import pickle
 import threading
@@ -49,6 +57,7 @@ import infra
 from cli import UserError
 
 BUCKET_BYTES = 128 << 20  # weights per broadcast: few collectives, and a bounded staging buffer each
+CHUNK_BYTES = 4 << 20     # one store value of a rollout message (torch's libuv TCPStore refuses values > 8 MiB)
 BEAT_S = 1.0              # how often each process beats its counter in the store
 
 
@@ -65,70 +74,114 @@ def split(proc: infra.Proc, cfg) -> tuple[infra.Proc, "Link | None"]:
     if k >= proc.world:
         raise UserError(f"sampler_ranks = {k} leaves no trainer rank: the world has {proc.world} (torchrun's "
                         "--nproc_per_node × --nnodes must exceed it)")
-    world, timeout = proc.world, timedelta(seconds=cfg.async_timeout)
+    world, timeout = proc.world, timedelta(seconds=cfg.collective_timeout)
     groups = [dist.new_group(r, timeout=timeout) for r in (list(range(k)), list(range(k, world)),
-                                                           [0] + list(range(k, world)), list(range(k + 1)))]
+                                                           list(range(k + 1)))]
     for g in groups:  # meet once in each group of ours, in one order: NCCL builds its communicators here, not
         if dist.get_rank(g) >= 0:  # later inside an asynchronous broadcast that a busy peer has not joined yet
             dist.barrier(g)
     trains = proc.rank >= k
     infra.GROUP = groups[int(trains)]
     side = infra.Proc(proc.rank - k if trains else proc.rank, world - k if trains else k, proc.device)
-    return side, Link(cfg, side, trains, data=groups[2], weights=groups[3])
+    return side, Link(cfg, side, trains, weights=groups[2])
 
 
-class Link:
-    """One side's end of the two channels: rollouts (sampler leader → trainers, the `data` group) and weights with
-    their headers (trainer leader → samplers, the `weights` group; headers in the store)."""
+class _CPUOnly(pickle.Pickler):
+    """Pickles a rollout message; a tensor off the CPU would unpickle on the reader's device of that index."""
 
-    def __init__(self, cfg, proc: infra.Proc, trains: bool, data, weights):
-        self.K, self.timeout, self.proc, self.trains = cfg.max_staleness, cfg.async_timeout, proc, trains
-        self.side = "trainer" if trains else "sampler"
-        self.rank = proc.rank + (cfg.sampler_ranks if trains else 0)  # global rank
-        self.leader, self.data, self.weights = cfg.sampler_ranks, data, weights  # trainer leader = global rank k
-        self.peer = 0 if trains else cfg.sampler_ranks  # the other side's leader, whose beat a wait watches
-        self.step, self.heads, self.pending, self.works = 0, 0, deque(), []
-        self.allowed = self.received = 0  # the last step the samplers may sample; the last step taken from them
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            raise SideError(f"a rollout message holds a tensor on {obj.device}: move it to the CPU before sending")
+        return NotImplemented
+
+
+class Wire:
+    """The store both sides share: this process's beat and progress, chunked messages, and waits that time out."""
+
+    def __init__(self, cfg, rank: int, side: str, peer: int):
+        self.rank, self.side, self.peer, self.step = rank, side, peer, 0  # peer: the other side's leader
+        self.dead_s, self.hung_s = cfg.async_timeout, cfg.collective_timeout
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         prefix = f"async_rl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restarted job's keys are new
         self.store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(
-            seconds=cfg.async_timeout)))
+            seconds=cfg.collective_timeout)))
         beat = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False))  # the beat thread's own client
         threading.Thread(target=self._beat, args=(beat,), daemon=True).start()
 
     def _beat(self, store):
-        while True:
-            store.add(f"beat/{self.rank}", 1)
+        """Every BEAT_S: a new beat, this process's step and its progress (infra.TICKS: collectives done)."""
+        for n in itertools.count():
+            store.set(f"alive/{self.rank}", f"{n} {self.step} {infra.TICKS}")
             time.sleep(BEAT_S)
 
     def fail(self, what: str, err: Exception | None = None):
-        peer = "sampler" if self.trains else "trainer"
+        peer = "sampler" if self.side == "trainer" else "trainer"
         raise SideError(f"{self.side} rank {self.rank} at step {self.step}: {what} ({peer} side, leader rank "
                         f"{self.peer})" + (f": {err}" if err else "")) from err
 
     def wait_key(self, key: str, what: str) -> bytes:
-        """The store's value at key once the other side sets it; raises once the peer's beat stops for timeout s.
-        Polls (check, then a sleep growing to 10 ms): a timed store.wait logs a warning each time it expires."""
-        last, seen, nap = None, time.time(), 1e-4
+        """The store's value at key once the other side sets it. Polls (check, then a sleep growing to 10 ms; a
+        timed store.wait logs a warning each time it expires) and raises once the peer's beat stops for
+        async_timeout or its progress for collective_timeout."""
+        seen, nap = {"beat": (None, time.time()), "ticks": (None, time.time())}, 1e-4
         while True:
             try:
                 if self.store.check([key]):
                     return self.store.get(key)
-                beat = self.store.add(f"beat/{self.peer}", 0)
+                alive = self.store.check([f"alive/{self.peer}"]) and self.store.get(f"alive/{self.peer}").decode().split()
             except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) is gone
                 self.fail(f"the store went away while waiting for {what}", e)
-            if beat != last:
-                last, seen = beat, time.time()
-            elif time.time() - seen > self.timeout:
-                self.fail(f"no {what} and no sign of life for async_timeout = {self.timeout:g} s")
+            beat, step, ticks = alive or (None, "?", None)
+            for name, value in (("beat", beat), ("ticks", ticks)):
+                if value != seen[name][0]:
+                    seen[name] = (value, time.time())
+            if time.time() - seen["beat"][1] > self.dead_s:
+                self.fail(f"no {what} and no sign of life for async_timeout = {self.dead_s:g} s")
+            if time.time() - seen["ticks"][1] > self.hung_s:
+                self.fail(f"no {what}; the peer is alive at its step {step} but has made no progress for "
+                          f"collective_timeout = {self.hung_s:g} s")
             time.sleep(nap)
             nap = min(2 * nap, 0.01)
+
+    def put(self, key: str, obj):
+        """obj pickled (CPU tensors only) in chunks under key/0, key/1, ..., then key = their count (set last)."""
+        buf = io.BytesIO()
+        _CPUOnly(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        data = buf.getbuffer()
+        chunks = range(0, max(len(data), 1), CHUNK_BYTES)
+        for i, at in enumerate(chunks):
+            self.store.set(f"{key}/{i}", bytes(data[at:at + CHUNK_BYTES]))
+        self.store.set(key, str(len(chunks)))
+
+    def get(self, key: str, what: str, readers: int):
+        """put's object, once it is there; the last of `readers` processes to read it deletes its keys."""
+        n = int(self.wait_key(key, what))
+        obj = pickle.loads(b"".join(self.store.get(f"{key}/{i}") for i in range(n)))
+        if self.store.add(f"{key}/read", 1) == readers:
+            for k in [f"{key}/{i}" for i in range(n)] + [key, f"{key}/read"]:
+                self.store.delete_key(k)
+        return obj
+
+
+class Link:
+    """One side's end of the two channels: rollouts (sampler leader → every trainer, through the store) and
+    weights with their headers (trainer leader → samplers: headers in the store, weights over the `weights` group)."""
+
+    def __init__(self, cfg, proc: infra.Proc, trains: bool, weights):
+        self.K, self.timeout, self.proc, self.trains, self.weights = cfg.max_staleness, cfg.collective_timeout, \
+            proc, trains, weights
+        self.leader = cfg.sampler_ranks  # the trainer leader's global rank: the broadcasts' source
+        rank = proc.rank + (cfg.sampler_ranks if trains else 0)  # global rank
+        self.trainers = dist.get_world_size() - cfg.sampler_ranks
+        self.wire = Wire(cfg, rank, "trainer" if trains else "sampler", 0 if trains else cfg.sampler_ranks)
+        self.heads, self.pending, self.works = 0, deque(), []
+        self.allowed = self.received = 0  # the last step the samplers may sample; the last step taken from them
 
     def collective(self, fn, what: str):
         try:
             return fn()
         except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout
-            self.fail(f"{what} failed (the other side died or timed out)", e)
+            self.wire.fail(f"{what} failed (the other side died or timed out)", e)
 
     # ----------------------------------------------------------------------------------------- weights → samplers
     def buckets(self, model) -> list[list[torch.Tensor]]:
@@ -143,41 +196,42 @@ class Link:
         return out
 
     def publish(self, run, version: int, last: int, state=None, rollouts=None, group_cls=None):
-        """Trainers, after optimizer step `version` (every trainer rank calls: the gather is collective): post π_v and
-        allow steps up to min(version + 1 + K, last). With `state` (the RL stage's start): the header carries it,
-        and `rollouts` (a checkpoint's) are queued, so the samplers start after them."""
-        model = infra.sampling(run.sampler, run.model)  # the full weights on every trainer rank
-        self.step = version
+        """Trainers, after optimizer step `version` (every trainer rank calls: the gather is collective): allow
+        steps up to min(version + 1 + K, last) and post π_v, unless no new step is allowed (the run's last K + 1
+        steps: the samplers would never use it). With `state` (the RL stage's start): the header carries it, and
+        `rollouts` (a checkpoint's) are queued, so the samplers start after them."""
+        self.wire.step = version
         if state is not None:
             self.pending = deque(dict(m, groups=[group_cls(**g) for g in m["groups"]]) for m in rollouts or [])
             self.received = self.allowed = version + len(self.pending)
         head = {"version": version, "allowed": min(version + 1 + self.K, last), "next": self.allowed + 1,
                 "state": dataclasses.asdict(state) if state is not None else None}
-        self.allowed = head["allowed"]
+        head["weights"], self.allowed = state is not None or head["allowed"] > self.allowed, head["allowed"]
+        model = infra.sampling(run.sampler, run.model) if head["weights"] else None  # the full weights, every rank
         if self.proc.rank != 0:
             return
-        self.await_posts("the previous weight broadcast")  # received by now in any run that keeps K's promise
-        flat = [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets(model)]
+        self.settle("the previous weight broadcast")  # its buffers go before the next are built
         self.post(head)  # the header first: a sampler joins the broadcasts once it reads it
-        self.works = [self.collective(lambda: dist.broadcast(f, self.leader, group=self.weights, async_op=True),
-                                      "posting the weights") for f in flat]
+        for flat in [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets(model)] if model else []:
+            self.works.append(self.collective(
+                lambda: dist.broadcast(flat, self.leader, group=self.weights, async_op=True), "posting the weights"))
 
-    def await_posts(self, what: str):
-        """Trainer leader: the weight broadcasts posted last have reached the samplers (their buffers may go)."""
+    def settle(self, what: str = "the last weight broadcast"):
+        """Trainer leader: the weight broadcasts posted last have reached the samplers; their buffers are freed.
+        Called before the next publish, an evaluation and a checkpoint (no broadcast pending under either)."""
         for w in self.works:
             self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), what)
+        self.works = []
 
     def post(self, head: dict):
-        self.store.set(f"head/{self.heads}", pickle.dumps(head))
+        self.wire.store.set(f"head/{self.heads}", pickle.dumps(head))
         self.heads += 1
 
     def receive_weights(self, model) -> dict:
         """Samplers: the next header, and the weights it announces copied in place (CUDA graphs keep addresses)."""
-        head = pickle.loads(self.wait_key(f"head/{self.heads}", "a weight header"))
+        head = pickle.loads(self.wire.wait_key(f"head/{self.heads}", "a weight header"))
         self.heads += 1
-        if head.get("stop"):
-            return head
-        for b in self.buckets(model):
+        for b in self.buckets(model) if head.get("weights") else []:
             flat = torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
             self.collective(lambda: dist.broadcast(flat, self.leader, group=self.weights), "receiving the weights")
             for p, x in zip(b, flat.split([p.numel() for p in b])):
@@ -186,30 +240,25 @@ class Link:
 
     # ----------------------------------------------------------------------------------------- rollouts → trainers
     def send(self, msg: dict):
-        """Sampler leader: one step's rollouts to every trainer (they wait for the key, then join the broadcast)."""
-        self.store.set(f"roll/{msg['step']}", b"1")
-        self.collective(lambda: dist.broadcast_object_list([msg], src=0, group=self.data, device=infra.DEVICE),
-                        f"sending the rollouts of step {msg['step']}")
+        """Sampler leader: one step's rollouts into the store (no wait for the trainers: see the docstring)."""
+        self.wire.put(f"roll/{msg['step']}", msg)
 
     def receive(self, state) -> dict:
         """Trainers: the next step's rollouts; the samplers' TrainState after them becomes ours (it is checkpointed)."""
         step = self.received + 1
-        self.wait_key(f"roll/{step}", f"the rollouts of step {step}")
-        box = [None]
-        self.collective(lambda: dist.broadcast_object_list(box, src=0, group=self.data, device=infra.DEVICE),
-                        f"receiving the rollouts of step {step}")
-        msg, self.received = box[0], step
+        msg = self.wire.get(f"roll/{step}", f"the rollouts of step {step}", self.trainers)
+        self.received = step
         state.rl_cursor, state.pass_history = msg["state"]["rl_cursor"], msg["state"]["pass_history"]
         return msg
 
     def take(self, state, step: int) -> tuple[list, dict]:
         """Trainers: (groups, stats) of RL step `step`, with its staleness (asserted ≤ K) and both sides' times."""
-        self.step, t0 = step, time.time()
+        self.wire.step, t0 = step, time.time()
         msg = self.pending.popleft() if self.pending else self.receive(state)
         waited, stale = time.time() - t0, step - 1 - msg["version"]
         if msg["step"] != step or not 0 <= stale <= self.K:
-            raise SideError(f"trainer rank {self.rank}: rollouts of step {msg['step']} sampled with π_{msg['version']}"
-                            f" offered to step {step} (staleness {stale}, max_staleness = {self.K})")
+            raise SideError(f"trainer rank {self.wire.rank}: rollouts of step {msg['step']} sampled with "
+                            f"π_{msg['version']} offered to step {step} (staleness {stale}, max_staleness = {self.K})")
         return msg["groups"], {**msg["stats"], "train/staleness": stale, "time/trainer_wait_s": waited,
                                "time/sampler_wait_s": msg["wait_s"], "time/rollout_s": msg["sample_s"],
                                "time/sample_tok_per_s": msg["tokens"] / max(msg["sample_s"], 1e-9)}
@@ -217,6 +266,7 @@ class Link:
     def checkpoint(self, state, step: int) -> list[dict]:
         """Trainers, at a checkpoint of step `step`: the rollouts of steps step + 1 .. step + K, taken now (state
         follows them) so a resume starts the samplers after them; plain dicts, not train.Group, in the file."""
+        self.settle()
         while self.received < min(step + self.K, self.allowed):
             self.pending.append(self.receive(state))
         return [dict(m, groups=[vars(g) for g in m["groups"]]) for m in self.pending]
@@ -227,29 +277,32 @@ class Link:
         while self.received < self.allowed:
             self.receive(state)
         if self.proc.rank == 0:
-            self.await_posts("the last weight broadcast")
+            self.settle()
             self.post({"stop": True})
 
 
 def sampler_loop(run, state, draw) -> dict:
     """A sampler rank's whole run: wait for the RL stage, then sample every allowed step with the newest weights it
-    was sent (draw = train.dynamic_sampling) until the trainers say stop."""
-    link, t0 = run.link, time.time()
+    was sent (draw = train.dynamic_sampling) until the trainers say stop. Between two steps' sampling it sends,
+    waits for a header and receives weights: that time is the next message's wait_s (the sampler's idle time)."""
+    link = run.link
     head = link.receive_weights(run.model)
+    if head.get("stop"):  # no RL stage (rl_steps = 0, or a resume of a finished run): nothing to sample
+        return {}
     for k, v in head["state"].items():
         setattr(state, k, v)
-    nxt = head["next"]
+    nxt, idle_from = head["next"], time.time()
     while not head.get("stop"):
-        waited = time.time() - t0
         while nxt <= head["allowed"]:
-            link.step, t1 = nxt, time.time()
+            link.wire.step, t1 = nxt, time.time()
             groups, stats = draw(run, state, nxt)
-            msg = {"step": nxt, "version": head["version"], "groups": groups, "stats": stats, "wait_s": waited,
-                   "sample_s": time.time() - t1, "tokens": sum(len(c) for g in groups for c in g.comps),
+            msg = {"step": nxt, "version": head["version"], "groups": groups, "stats": stats,
+                   "wait_s": t1 - idle_from, "sample_s": time.time() - t1,
+                   "tokens": sum(len(c) for g in groups for c in g.comps),
                    "state": {"rl_cursor": state.rl_cursor, "pass_history": state.pass_history}}
+            idle_from = time.time()
             if run.proc.rank == 0:
                 link.send(msg)
-            nxt, waited = nxt + 1, 0.0
-        t0 = time.time()
+            nxt += 1
         head = link.receive_weights(run.model)
     return {}

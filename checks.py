@@ -93,7 +93,7 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
 ]
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs", "micro_batch_tokens", "eval_n",
             "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples",
-            "async_timeout")  # counts that must be >= 1
+            "async_timeout", "collective_timeout")  # counts that must be >= 1
 NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight",
                 "teacher_pass_every", "warmup_steps", "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k",
                 "train_size", "threads", "max_value", "expert_sft_steps", "expert_max_per_problem", "sampler_ranks")

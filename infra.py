@@ -30,6 +30,7 @@ from model import Transformer
 
 DEVICE = torch.device("cpu")  # the run's device, set by setup(): where every collective's tensors live
 GROUP = None  # this side's process group (async_rl.split: the trainer or the sampler ranks); None: the whole world
+TICKS = 0  # collectives this process has entered: its progress, which async_rl's beat reports to the other side
 
 
 class Proc(NamedTuple):
@@ -66,7 +67,8 @@ def teardown():
 
 def all_sum(x, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """x (a tensor anywhere, or a number) summed over ranks, as a tensor on DEVICE."""
-    x = torch.as_tensor(x).to(DEVICE)
+    global TICKS
+    x, TICKS = torch.as_tensor(x).to(DEVICE), TICKS + 1
     if dist.is_initialized():
         dist.all_reduce(x, op=op, group=GROUP)
     return x
@@ -82,6 +84,8 @@ def any_rank(flag: bool) -> bool:  # true on every rank if it is true on any
 
 def all_gather_list(items: list) -> list:
     """Every rank's list, concatenated in rank order (picklable items)."""
+    global TICKS
+    TICKS += 1
     if not dist.is_initialized():
         return items
     out = [None] * dist.get_world_size(GROUP)
@@ -224,7 +228,10 @@ def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
         dist.broadcast_object_list(box := [n], src=0)
         n = box[0]
     path = os.path.join(out_dir, f"step_{n}")
-    return (n, path, torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)) if n else (0, "", None)
+    # mmap: a tensor's pages are read when used, so a sampler rank never reads the optimizer's (fp32 Adam: 8 bytes
+    # a parameter), and the ranks of one node share the page cache instead of a copy each
+    state = n and torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False, mmap=True)
+    return (n, path, state) if n else (0, "", None)
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,

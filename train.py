@@ -151,7 +151,9 @@ class Config:
     # --- asynchronous RL (async_rl.py, prime-rl's split): the first k ranks sample, the rest train
     sampler_ranks: int = 0              # k sampler ranks (0: every rank samples and trains, the colocated loop)
     max_staleness: int = 0              # K: step s trains on rollouts of π_v, v = s − 1 − K (0: synchronous)
-    async_timeout: float = 1800.0       # seconds a side waits for the other before it raises (a dead or hung peer)
+    async_timeout: float = 600.0        # seconds a side waits with no beat from the other before it raises (dead)
+    collective_timeout: float = 3600.0  # the async groups' op timeout, and the longest the other side may make no
+                                        #   progress (hung); above any eval, checkpoint or sampling step
     # --- evaluation and checkpoints
     eval_every: int = 400               # held-out eval every K steps (0: only at the end of each stage)
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
@@ -495,6 +497,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None, samples: list | 
     too, in chunks of eval_batch problems (a progress line after each of a long eval). A `samples` list receives one
     record per completion: the prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
     cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
+    if run.link:  # async: no weight broadcast pending while this rank samples (async_rl.py, the docstring)
+        run.link.settle()
     rec, by_level, shown = {}, {}, []
     for c0 in range(0, len(probs), cfg.eval_batch):
         chunk = probs[c0:c0 + cfg.eval_batch]
@@ -583,7 +587,8 @@ def main(cfg: Config) -> dict:
         stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60)
         total = step if stop else total
         if cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
-            logger.log(step, stage, ev := evaluate(run, step, logger))
+            t_eval, ev = time.time(), evaluate(run, step, logger)
+            logger.log(step, stage, {**ev, "time/eval_s": time.time() - t_eval})
             if step in (cfg.sft_steps, total):  # the end of a stage: its column of the final table
                 results[stage] = ev
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total) and state.bad_steps == 0:

@@ -1,6 +1,7 @@
 """async_rl.py: sampler ranks vs trainer ranks. K = 0 equals the colocated loop bit for bit (1 sampler + 1 trainer vs
 1 rank; 1 sampler + 2 trainers vs 2 ranks), K = 1 trains on rollouts exactly one version old, a killed side stops
 the other with an error naming it, and a run killed with -9 at K = 1 resumes to the uninterrupted run's weights."""
+import io
 import json
 import os
 import shutil
@@ -9,11 +10,15 @@ import socket
 import subprocess
 import sys
 import time
+import types
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
+import async_rl
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,9 +130,12 @@ def test_a_killed_side_stops_the_other_with_an_error_naming_it(tmp_path, victim,
 
 
 @pytest.mark.slow
-def test_killed_async_run_resumes_exactly_at_staleness_1(tmp_path):
-    args = ARGS + ["--sampler_ranks=1", "--max_staleness=1", "--rl_steps=8", "--ckpt_every=5", "--keep_ckpts=0",
-                   "--train_size=6"]  # the prompt stream and its pass-rate memory travel with the rollouts
+@pytest.mark.parametrize("K,in_flight", [(1, [(6, 4)]), (2, [(6, 3), (7, 4)])])  # (step, version) saved at 5
+def test_killed_async_run_resumes_exactly(tmp_path, K, in_flight):
+    """kill -9 at step 7, resume from step 5's checkpoint (which holds the K steps in flight), evals every other
+    step and a checkpoint in the middle: the uninterrupted run's metrics and weights."""
+    args = ARGS + ["--sampler_ranks=1", f"--max_staleness={K}", "--rl_steps=8", "--ckpt_every=5", "--keep_ckpts=0",
+                   "--train_size=6", "--eval_every=2"]  # the prompt stream and pass-rate memory travel with them
     run(args + [f"--out_dir={tmp_path / 'full'}"], 2)
     out = tmp_path / "killed"
     p = launch(args + [f"--out_dir={out}"], 2, start_new_session=True)
@@ -140,7 +148,7 @@ def test_killed_async_run_resumes_exactly_at_staleness_1(tmp_path):
     p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     saved = torch.load(out / "step_5" / "trainer_state.pt", weights_only=False)
-    assert [m["step"] for m in saved["rollouts"]] == [6] and saved["rollouts"][0]["version"] == 4
+    assert [(m["step"], m["version"]) for m in saved["rollouts"]] == in_flight
     run(args + [f"--out_dir={out}", "--resume"], 2)
     strip = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(out)]
     assert strip == [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(tmp_path / "full")]
@@ -168,3 +176,101 @@ def test_sharded_trainers_resume_from_a_checkpoint_exactly(tmp_path):
     assert strip == [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records(tmp_path / "full")]
     a, b = (load_file(tmp_path / d / "step_9" / "model.safetensors") for d in ("full", "again"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K", [2, 3])
+def test_staleness_2_and_3_run_to_the_end_with_evals_and_a_checkpoint_between_steps(tmp_path, K):
+    """K >= 2 deadlocked at the second RL step (the sampler sent step v + K before it took π_v, while the trainer
+    leader waited for π_v's broadcast): 8 RL steps, an eval every other step, checkpoints at 5 and 10."""
+    run(ARGS + ["--sampler_ranks=1", f"--max_staleness={K}", "--rl_steps=8", "--eval_every=2", "--ckpt_every=5",
+                f"--out_dir={tmp_path / 'k'}"], 2)
+    recs = records(tmp_path / "k")
+    assert [r["train/staleness"] for r in recs if "train/staleness" in r] == [min(K, s) for s in range(8)]
+    assert [r["step"] for r in recs if "eval/pass@1" in r] == [0, 2, 3, 4, 6, 8, 10, 11]  # base, SFT end, end
+    assert os.path.exists(tmp_path / "k" / "step_10" / "trainer_state.pt")
+
+
+@pytest.mark.slow
+def test_no_rl_stage_and_a_finished_run_resumed_stop_the_samplers_cleanly(tmp_path):
+    """The first header the samplers read is "stop" (it used to be a KeyError on the sampler)."""
+    run(ARGS + ["--sampler_ranks=1", "--rl_steps=0", f"--out_dir={tmp_path / 'sft'}"], 2)
+    assert [r["stage"] for r in records(tmp_path / "sft")] == ["base", "sft", "sft", "sft", "sft"]
+    args = ARGS + ["--sampler_ranks=1", "--max_staleness=1", "--rl_steps=2", f"--out_dir={tmp_path / 'done'}"]
+    run(args, 2)
+    before = records(tmp_path / "done")
+    run(args + ["--resume"], 2)
+    assert records(tmp_path / "done") == before  # nothing left to do, nothing logged twice
+
+
+@pytest.mark.slow
+def test_an_eval_longer_than_async_timeout_is_no_failure(tmp_path):
+    """async_timeout bounds a silent peer (its beat); the groups' op timeout is collective_timeout. With one
+    timeout for both, the sampler's send of step s + 1 timed out during the trainers' eval of step s."""
+    out = run(ARGS + ["--sampler_ranks=1", "--max_staleness=1", "--rl_steps=3", "--eval_every=1", "--eval_n=400",
+                      "--eval_k=8", "--async_timeout=1", f"--out_dir={tmp_path / 'k1'}"], 2)
+    evals = [r["time/eval_s"] for r in records(tmp_path / "k1") if "time/eval_s" in r]
+    assert max(evals) > 1, (evals, out[-2000:])  # the premise: an eval outlasted async_timeout
+
+
+@pytest.mark.slow
+def test_at_staleness_0_the_sampler_waits_through_each_training_step(tmp_path):
+    """time/sampler_wait_s is everything between two steps' sampling (sending, the header, the weights): at K = 0
+    the sampler cannot start step s before the trainer has trained step s - 1."""
+    run(ARGS + ["--sampler_ranks=1", "--max_staleness=0", "--rl_steps=4", f"--out_dir={tmp_path / 'k0'}"], 2)
+    recs = [r for r in records(tmp_path / "k0") if "train/staleness" in r]
+    assert all(b["time/sampler_wait_s"] >= a["time/train_s"] for a, b in zip(recs, recs[1:]))
+
+
+def test_a_rollout_message_with_a_tensor_off_the_cpu_is_refused():
+    box = {"groups": [{"logprobs": [torch.zeros(3), torch.zeros(2, device="meta")]}]}
+    with pytest.raises(async_rl.SideError, match="holds a tensor on meta"):
+        async_rl._CPUOnly(io.BytesIO()).dump(box)
+    async_rl._CPUOnly(io.BytesIO()).dump({"groups": [{"logprobs": [torch.zeros(3)]}]})  # CPU tensors pickle
+
+
+def _wire(monkeypatch, rank, side, peer, port, dead=600.0, hung=3600.0):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    cfg = types.SimpleNamespace(async_timeout=dead, collective_timeout=hung)
+    return async_rl.Wire(cfg, rank, side, peer)
+
+
+def test_a_wait_names_a_dead_peer_and_a_hung_one(monkeypatch):
+    """A peer with no beat is dead after async_timeout; one that beats but makes no progress (its collectives)
+    is hung after collective_timeout: the error says which, and the peer's step."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    waiter = _wire(monkeypatch, 1, "trainer", 0, host.port, dead=1.0, hung=2.0)
+    t0 = time.time()
+    with pytest.raises(async_rl.SideError, match="no the rollouts of step 1 and no sign of life for async_timeout = 1 s"):
+        waiter.wait_key("roll/1", "the rollouts of step 1")  # rank 0 never beats
+    assert time.time() - t0 < 5
+    peer = _wire(monkeypatch, 0, "sampler", 1, host.port)  # beats; nothing in this process runs a collective
+    peer.step = 7
+    with pytest.raises(async_rl.SideError, match="alive at its step 7 but has made no progress for "
+                                                 "collective_timeout = 2 s"):
+        waiter.wait_key("roll/1", "the rollouts of step 1")
+
+
+def test_a_message_goes_through_the_store_in_chunks_and_the_last_reader_deletes_it(monkeypatch):
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(async_rl, "CHUNK_BYTES", 1000)
+    a, b = (_wire(monkeypatch, r, "trainer", 0, host.port) for r in (1, 2))
+    msg = {"step": 3, "groups": [list(range(2000))], "logprobs": torch.randn(500)}
+    a.put("roll/3", msg)
+    assert int(a.store.get("roll/3")) > 5  # several chunks
+    for w in (a, b):
+        got = w.get("roll/3", "the rollouts of step 3", readers=2)
+        assert got["groups"] == msg["groups"] and torch.equal(got["logprobs"], msg["logprobs"])
+    assert not a.store.check(["roll/3"]) and not a.store.check(["roll/3/0"])
+
+
+def test_evaluate_settles_the_weight_broadcast_before_it_samples(monkeypatch):
+    """On NCCL a CUDA graph recorded during an eval synchronizes the device, pending broadcast included; the leader
+    settles it first, so nothing pending is left for an eval (or a checkpoint) to wait on."""
+    run, calls, sample = train.build_run(train.parse_args(["--config", SMOKE, "--eval_n=2", "--eval_k=1"])), [], \
+        train.generate
+    run.link = types.SimpleNamespace(settle=lambda: calls.append("settle"))
+    monkeypatch.setattr(train, "generate", lambda *a, **k: calls.append("generate") or sample(*a, **k))
+    train.evaluate(run, 0)
+    assert calls[0] == "settle" and calls.count("settle") == 1 and "generate" in calls

@@ -7,7 +7,8 @@ without the float32 log-softmax); the captured (CUDA graph) decode step against 
 CUDA, and the trainer's bf16 scores of its samples; a few SFT + RL steps at world size 1 (FSDP2 on a 1-rank group:
 the dtypes of world size 8) with π_ref in bf16; the LM head's own share of one RL micro-batch's peak memory at Qwen's
 151,936-token vocabulary, and its bf16 log-probs and gradients against float32; with 2+ GPUs, the smoke run on 2
-NCCL ranks against 1 rank (bf16 kernels differ by batch size: close, not bit-identical).
+NCCL ranks against 1 rank (bf16 kernels differ by batch size: close, not bit-identical); async RL on NCCL at K = 1
+(2 GPUs) and at K = 2 with 2 trainers and evals mid-run (3 GPUs).
 """
 import json
 import os
@@ -189,3 +190,25 @@ def test_async_one_sampler_gpu_one_trainer_gpu_over_nccl(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = [json.loads(line) for line in open(tmp_path / "async" / "metrics.jsonl")]
     assert [r["train/staleness"] for r in recs if "train/staleness" in r] == [0, 1, 1, 1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+@pytest.mark.parametrize("connections", ["", "1"])
+def test_async_three_gpus_staleness_2_with_evals_at_new_shapes(tmp_path, connections):
+    """1 sampler GPU + 2 trainer GPUs at K = 2 (the README's two-node setting in small): evals every other step whose
+    last chunk is a new batch size (a new CUDA graph recorded mid-run, which synchronizes the device: it used to
+    wait on a weight broadcast stuck behind a rollout send), a checkpoint in the middle, and once with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's and NeMo's images set it: one hardware queue for every stream)."""
+    args = SMOKE[:2] + ["--device=auto", "--wandb_mode=disabled", "--sft_steps=2", "--rl_steps=6", "--eval_every=2",
+                        "--eval_n=12", "--eval_batch=8", "--overlong_buffer=20", "--ckpt_every=5", "--sampler_ranks=1",
+                        "--max_staleness=2", "--async_timeout=60", "--collective_timeout=120",
+                        f"--out_dir={tmp_path / 'async'}"]
+    env = {**os.environ, "WANDB_MODE": "disabled", **({"CUDA_DEVICE_MAX_CONNECTIONS": connections} if connections
+                                                       else {})}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                        os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tmp_path / "async" / "metrics.jsonl")]
+    assert [r["train/staleness"] for r in recs if "train/staleness" in r] == [0, 1, 2, 2, 2, 2]
+    assert [r["step"] for r in recs if "eval/pass@1" in r] == [0, 2, 4, 6, 8]

@@ -38,7 +38,6 @@ MAX_TOKENS = 1000  # tokens of one answer in the normal form; 2.5 x more in valu
 
 _DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d*)(?:\.(\d*))?(?:e([+-]?\d+))?")
 _MIXED = re.compile(r"([+-]?)(\d+)\((\d+)/(\d+)\)")  # 2\frac{1}{2} normalises to 2(1/2): a mixed number
-_LONG = re.compile(r"([+-]?)0*(\d*)(?:\.(\d*?)0*)?")
 _PRIMES = [p for p in range(2, 1000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
 
 
@@ -59,8 +58,11 @@ def number(s: str) -> Fraction | None:
 
 def decimal_key(s: str) -> tuple | None:
     """(sign, integer digits, fraction digits) of a plain decimal without separators, linear time at any length."""
-    ok = (m := _LONG.fullmatch(s)) and (m[2] or m[3] or "0" in s)
-    return (("-" if m[1] == "-" and (m[2] or m[3]) else ""), m[2], m[3] or "") if ok else None
+    whole, _, frac = (s[1:] if s[:1] in ("+", "-") else s).partition(".")
+    if whole and not whole.isdecimal() or frac and not frac.isdecimal() or not (whole or frac or "0" in s):
+        return None
+    whole, frac = whole.lstrip("0"), frac.rstrip("0")
+    return ("-" if s[:1] == "-" and (whole or frac) else ""), whole, frac
 
 
 def _root(c: Fraction, n: int) -> Fraction | None:

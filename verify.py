@@ -1,41 +1,44 @@
 r"""Answer checking for reasoning RL: the final answer, its normalisation, exact equivalence, rewards.
 
-Pure Python on strings, no eval/exec, no CAS (the exact normal form is exact.py); linear scans, bounded inputs (MAX_*):
-milliseconds on 100 KB of adversarial text. reward(completion, gold) = 1.0 iff steps 1-3 agree.
+Pure Python on strings, no eval/exec, no CAS (the exact normal form is exact.py); every pass linear in its input,
+bounded sizes (MAX_*): milliseconds at 1M characters of any shape. reward(completion, gold) = 1.0 iff steps 1-3 agree.
 
-1. The final answer (extract_answer) is what the completion commits to last, and only if it commits to nothing else.
+1. The final answer (extract_answer) is the last commitment, when every earlier one that differs is withdrawn.
    Commitments: a balanced \boxed{...} / \fbox{...} / `\boxed 5`; the rest of a "####" line; the clause after "the
-   (final) answer is" / "Answer:" (its line; the next lines when it is empty or opens $$ / \[). With <answer> ...
-   </answer> blocks, only the blocks (each read by this rule; a block without one is its text) and what follows the
-   last count; text before a closing </think> never counts, nor a markdown heading "#### Step 1: ...".
-   Not commitments: an "answer is" clause that is conditional or a goal ("if / whether / we must show that the answer
-   is", "maybe", "not"), a description ("the number of ways to ..."), or holds another commitment (the inner counts).
-   An answer ends where its sentence does or a reason begins: `#### 30 (so 30 apples are left)`, `8, not 6.`, `56
-   since 7 x 8 = 56` are 30, 8, 56; `$...$` is read to its closing dollar. There is no final answer (reward 0) when
-   - two commitments differ (not is_equiv): boxes, ####, "answer is" alike; several different boxes are instead one
-     set answer, "a, b, ...", which only a gold list of those values matches (compared as a multiset);
-   - after the last commitment the text retracts (no, wrong, mistake, impossible, recount, ...), doubts without
-     settling it (wait, hmm, actually, and no "correct" / "yes" after), or starts a commitment it does not finish (an
-     unclosed \boxed{, "the answer is" at the end);
+   (final) answer is" / "Answer:" (its line, or the next when it is empty or opens $$ / \[); an <answer> block (read by
+   this rule). Not: text before a closing </think>, "#### Step 1: ...", a condition or goal ("if / we must show that the
+   answer is", "maybe", "not"), a description ("the number of ways ..."). An answer ends where its sentence does or
+   a reason begins: `#### 30 (so 30 left)`, `8, not 6.`, `56 since 7 x 8 = 56`.
+   A retraction between two commitments withdraws all before it: a cue (wrong, mistake, error, no, correction, typo,
+   double-counted, forgot, misread, ...) outside a hedge, or a soft one (wait, hmm, actually, re-check, on second
+   thought) with no hedge there. These are 14: "First try: \boxed{12}. Checking again I double-counted ... \boxed{14}",
+   "\boxed{12} is wrong; the right value is \boxed{14}", "The answer is 12. Wait, an error: ... The answer is 14".
+   No final answer (reward 0) when
+   - two commitments differ with no retraction between: "\boxed{12} or maybe \boxed{14}", "\boxed{12} (or possibly
+     \boxed{14})", "\boxed{12}. Hmm, it could also be \boxed{14}", "#### 12 ... The answer is 14"; but several boxes
+     are one set answer, "a, b, ...", which only a gold list of those values matches (compared as a multiset);
+   - after the last one the text retracts, hedges ("12, though 14 is also possible", "if I'm wrong", "12?"), doubts
+     without settling it (wait, hmm: no "correct" / "yes" after) or starts a commitment it does not finish;
+   - more than MAX_WITHDRAWN (2) different answers are withdrawn: candidates listed and each called "wrong" but one
+     are a search written into the answer, not a correction, and the cue words cost a policy nothing to emit;
    - there are more than MAX_COMMITS commitments, or none (lenient=True: the last number, never for rewards).
-2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, \text{} and kin, \left/\right/\Bigl, spacing,
-   degrees, percent (50% is 50), currency, trailing unit words (5 cm, 8\sqrt{2} m), articles and plurals of a word
-   answer, a leading "x =" / "g(3) =" / "CD =" / "(m, n) ="; number words (seven, 2.5 thousand); 3 1/4 and 3\frac14 are
-   mixed numbers; 0.666\ldots is 0.\overline{6}; one spelling for \dfrac, \frac12, \sqrt2, x_1, \lbrace, {-}7, +\infty.
+2. _normalize: lower-case; unicode (½, x², ×, −, ≤, …); drop $, presentation (\text{}, \mathbf{}, \displaystyle and
+   kin, braces inside), \left/\right, spacing, degrees, percent (50% is 50), currency, trailing unit words (5 cm),
+   articles and plurals of a word answer, a leading "x =" / "g(3) =" / "(m, n) ="; number words (seven, 2.5 thousand);
+   3 1/4 and 3\frac14 are mixed; 0.666\ldots is 0.\overline{6}; one spelling for \dfrac, \frac12, \sqrt2, x_1, {-}7.
 3. _equal: numbers compare as exact Fractions (no rounding: 0.33 is not 1/3); tuples, intervals and matrices (pmatrix =
    bmatrix) element-wise, bracket types kept; sets, bare lists, \cup-unions and \pm (3, -3) as multisets; distinct
    assignments p = 1, q = 4 as the tuple (1, 4); a relation x \le 4 as its interval (-\infty, 4] (5 > y is y < 5);
    (C) 7 matches (C) and 7; 110 matches 110_2 (the digits, when one side omits the base); else exact.same decides.
-   Answers longer than MAX_ANSWER are equal only when identical or the same plain decimal, compared in linear time.
-4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed).
-5. step_rewards: each "expr=value" step checked by eval_arith, exact.value on integers and + - * / ( ).
+4. format_reward: <think>...</think><answer>...</answer> and nothing else (one trailing EOS allowed); step_rewards:
+   each "expr=value" step checked by eval_arith (exact.value on integers and + - * / ( )).
 
 Tests: python -m pytest -q tests/test_verify.py tests/test_verify_heldout.py
 """
 import re
 import unicodedata
 from fractions import Fraction
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 
 import exact
 from exact import MAX_NUMBER, decimal_key, number as _number
@@ -43,6 +46,7 @@ from exact import MAX_NUMBER, decimal_key, number as _number
 MAX_ANSWER = 4000  # characters: longer answers are equal only when identical (or the same plain decimal)
 MAX_LONG = 100_000  # characters: longer ones are never equal
 MAX_COMMITS = 32  # commitments per completion; more is no answer
+MAX_WITHDRAWN = 2  # different answers withdrawn before the last commitment; a third is enumeration: no answer
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
 MAX_STEPS = 256  # steps scored by step_rewards; later ones are ignored
 TOO_LONG = "\x00"  # the answer of a commitment past MAX_ANSWER: equal to nothing
@@ -58,15 +62,25 @@ _RETRACT = re.compile(r"\b(?:(?P<weak>wait|hmm+|actually)|oops|mistakes?|mistake
                       r"|contradict\w*|scratch that|start over|try again|not (?:right|correct|possible|valid|the "
                       r"answer)|(?:is|are)n't (?:right|correct|possible|valid)|can(?:no|')t be|answer is not|(?:does "
                       r"not|doesn't|do not|don't) (?:work|hold|satisfy|fit|make sense))\b|(?<![\w-])no[,.!:]", re.I)
+_AMEND = re.compile(_RETRACT.pattern + r"|\b(?:(?P<soft>(?:re|double)[- ]?check\w*|check\w* again|let me re-?\w+"
+                    r"|re-?(?:visit|evaluat|think)\w*|on second thought|looking back)|errors?|typo|correct(?:ion|ed"
+                    r"|ing)|(?:not|n't) (?:quite|seem|look) right|(?:double|over|under)[- ]?count\w*|mis(?:count|read"
+                    r"|interpret|typ|judg|appl|underst|took|t[ae]k)\w*|forg[oe]t\w*|overlook\w*)\b", re.I)  # gaps only
+_HEDGE = re.compile(r"\b(?:or (?:maybe|possibly|perhaps|alternatively)|(?:it|this|that|answer) (?:could|might|may) "
+                    r"(?:also |well )?be [-\d$\\(]|answer would be|(?:could|might|may) (?:well )?be (?:wrong|mistaken"
+                    r"|off\b)|(?:also|equally) (?:possible|plausible|valid)|not (?:\S+ )?(?:sure|certain)|unsure|(?:if"
+                    r"|unless) (?:i'?m|that'?s|it'?s|i am|this is) (?:wrong|mistaken))|\(\s*or\b", re.I)
+_GAP = re.compile(r"(?P<hedge>" + _HEDGE.pattern + ")|" + _AMEND.pattern, re.I)  # one pass, leftmost match first
+_QUESTION, _BLANK, _SPACE = re.compile(r"[ \t$*]*\?"), re.compile(r"[^\S\n]*(?:\n|\Z)"), re.compile(r"\s*")  # 12?
+_BLANK_END, _LEAD, _CLOSE = re.compile(r"[ \t:*$\n]*\Z"), re.compile(r"[ \t:*]*(?:[\r\n]\s*)?"), re.compile(r"\s*\}")
 _CONFIRM = re.compile(r"\b(?:correct|confirm\w*|verified|checks out|yes)\b|✓", re.I)  # "Wait, let me check ... yes"
-_RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|\s+\(|,\s+(?!and\b)(?=[a-z]{2})"
-                    r"|\s+(?:since|because|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if"
-                    r"|for|from|by|using)\b|\s+(?:—|–|--)", re.I)  # where the answer ends: a reason, a remark
+_RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|,\s+(?!and\b)(?=[a-z]{2})|(?<!\s)\s+(?:\(|(?:since|because"
+                    r"|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if|for|from|by|using)\b"
+                    r"|—|–|--)", re.I)  # where the answer ends: a reason, a remark; (?<!\s): one try per run of spaces
 _DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "the answer is the sum of the roots": no answer
-_JOINED = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$")
-_HEADING = re.compile(r"[a-z]{2,}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
+_JOINED, _DEPTH = re.compile(r"\s*(?:,|and|or)\s*(?:and\s*)?\$"), dict.fromkeys("([{", 1) | dict.fromkeys(")]}", -1)
+_HEADING = re.compile(r"[a-z]{2}[^\d\s]*\s+\S", re.I)  # "#### Step 1: add" is a markdown heading, not an answer
 _TOKEN, _DOLLAR = re.compile(r"[^\s$]+"), re.compile(r"(?<!\\)\$")  # \boxed 5; a closing $, not \$
-_DEPTH = dict.fromkeys("([{", 1) | dict.fromkeys(")]}", -1)
 _NUMBER_AT_END, _SPACING = re.compile(r"-?\d[\d,]*(?:\.\d+)?$"), str.maketrans("", "", " \t\n\r$")
 
 
@@ -75,23 +89,26 @@ def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
     out, unclosed = [], -1
     for i in [m.start() for m in _BOX.finditer(text, lo, hi)]:
         j = i + (6 if text.startswith("\\boxed", i) else 5)
-        k = j + len(text[j:j + 64]) - len(text[j:j + 64].lstrip(" "))
+        k = _SPACE.match(text, j, hi).end()
         if not text.startswith("{", k):
             if k > j and (m := _TOKEN.match(text, k, hi)):
                 out.append((i, m.end(), m.group()))  # \boxed 5
             continue
-        stop, depth, p = min(hi, k + MAX_ANSWER), 1, k + 1  # balanced braces: find "}", count "{" between
+        p = _SPACE.match(text, k + 1, hi).end()  # blanks around the answer are no part of its length
+        stop, depth = min(hi, p + MAX_ANSWER), 1  # balanced braces: find "}", count "{" between
         while (q := text.find("}", p, stop)) >= 0:
             depth += text.count("{", p, q) - 1
             p = q + 1
             if depth <= 0:
                 break
+        if depth == 1 and "{" not in text[p:stop] and (m := _CLOSE.match(text, stop, hi)):
+            depth, p = 0, m.end()
         out, unclosed = (out + [(i, p, text[k + 1:p - 1].strip())], unclosed) if depth == 0 else (out, i)
     return out, unclosed
 
 
-def _clip(rest: str) -> tuple[str, int]:
-    """The answer at the start of rest and where it ends: a $...$ span, else up to the end of its clause."""
+def _clip(rest: str, cut: bool = False) -> tuple[str, int]:
+    """The answer at the start of rest and its end: a $...$ span, else its clause (cut: the line goes on past rest)."""
     rest, lead = rest.lstrip(" \t:*"), len(rest) - len(rest.lstrip(" \t:*"))
     for a, b in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", None)):
         if rest.startswith(a):
@@ -105,8 +122,9 @@ def _clip(rest: str) -> tuple[str, int]:
         if (depth := depth + sum(seg.count(c) for c in "([{") - sum(seg.count(c) for c in ")]}")) <= 0:
             end = m.start()
             break
-    answer = rest[:end].strip(" \t*").rstrip(".").strip(" \t*")
-    return (answer if lead + end < MAX_ANSWER else TOO_LONG), lead + end  # past MAX_ANSWER: never a prefix
+    answer = rest[:end].rstrip()
+    long = lead + len(answer) >= MAX_ANSWER or cut and end == len(rest)  # trailing blanks are no part of it
+    return (TOO_LONG if long else answer.strip(" \t*").rstrip(".").strip(" \t*")), lead + end
 
 
 def _commitments(text: str) -> tuple[list, int] | None:
@@ -118,65 +136,61 @@ def _commitments(text: str) -> tuple[list, int] | None:
     boxes, unfinished = _boxes(text, 0, len(text))
     out = [(i, j, a, True) for i, j, a in boxes]
     for m in _HASHES.finditer(text) if hashes else ():
-        a, k = _clip(m[1])
+        a, k = _clip(m[1], len(m[1]) > MAX_ANSWER and not _BLANK.match(text, m.end()))
         if a and not _BOX.search(a) and not _ANSWER_IS.search(a) and not _HEADING.match(a):  # else the inner counts
             out.append((m.start(), m.start(1) + k, a, False))
     for m in _ANSWER_IS.finditer(text) if said else ():
         clause = re.split(r"[,;:.!?]\s|\n", text[max(0, m.start() - 200):m.start()])[-1]
-        body = (rest := text[m.end():m.end() + MAX_ANSWER]).lstrip(" \t:*")
-        body = body.lstrip() if body[:1] in ("\n", "\r") else body  # "The answer is:" then the answer on the next line
-        line = body.split("\n", 1)[0]
-        line, base = (body if line.strip() in ("\\[", "$$", "\\(", "$") else line), m.end() + len(rest) - len(body)
+        base = _LEAD.match(text, m.end()).end()  # "The answer is:" then the answer on the next line
+        line = (body := text[base:base + MAX_ANSWER]).split("\n", 1)[0]
+        line = body if line.strip() in ("\\[", "$$", "\\(", "$") else line
         if _GOAL.search(clause) or re.match(r"(?:not|n't)\b", line) or any(i <= m.end() < j for i, j, _ in boxes):
             continue
-        a, k = _clip(line)
-        if _BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a):
-            continue  # its box, or the "answer is" in "Final answer: the answer is 5", counts; "the number of ..."
-        if a:
-            out.append((m.start(), base + k, a, False))
-        elif not text[m.end():].strip(" \t:*$\n"):
+        a, k = _clip(line, len(line) == len(body) and not _BLANK.match(text, base + len(body)))
+        if a and not (_BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a)):  # else its box counts, or
+            out.append((m.start(), base + k, a, False))  # the "answer is" in "Final answer: the answer is 5"
+        elif not a and _BLANK_END.match(text, m.end()):
             unfinished = max(unfinished, m.start())  # cut off after "the answer is"
     return sorted(out), unfinished
 
 
-def _retracts(text: str, i: int) -> bool:
-    """Whether the text after i takes its answer back: a retraction, or a doubt (wait, hmm) it does not settle."""
-    found = [m["weak"] for m in _RETRACT.finditer(text, i, i + 1000)]
-    return any(w is None for w in found) or bool(found) and not _CONFIRM.search(text, i, i + 1000)
+def _withdraws(text: str, i: int, j: int) -> bool:
+    """Whether text[i:j], between two commitments, takes the first back: a cue outside a hedge, a soft one with none."""
+    found = [(m["hedge"], m["weak"] or m["soft"]) for a, b in ((i, min(j, i + 2000)), (max(i, j - 2000), j + 1))
+             for m in _GAP.finditer(text, a, b)]  # near either commitment; "could also be \\boxed{14}" reads on
+    return any(not h and not s for h, s in found) or any(not h for h, _ in found) and not any(h for h, _ in found)
 
 
-def _final(text: str, depth: int = 0) -> tuple[str | None, bool]:
-    """(the final answer or None, whether the text commits to anything): step 1."""
-    text = text[text.rfind("</think>") + 8:] if depth == 0 and "</think>" in text else text  # thinking: no commitment
-    close = text.find("</answer>")
-    start = text.find("<answer>", 0, close) if close >= 0 else -1
-    if start >= 0 and depth == 0:  # r1 format: the blocks, then whatever follows the last one
+def _final(text: str, top: bool = True) -> tuple[str | None, bool]:
+    """(the final answer or None, whether the text commits to anything): step 1. top: a whole completion."""
+    text = text[text.rfind("</think>") + 8:] if top and "</think>" in text else text  # thinking: no commitment
+    commits, pos, close = [], 0, text.find("</answer>")
+    if top and text.find("<answer>", 0, max(close, 0)) >= 0:  # r1 format: a block is a commitment, read by this rule
         if text.count("</answer>") > MAX_COMMITS:
             return None, True
-        answers, pos = [], start
         while (close := text.find("</answer>", pos)) >= 0 and (open_ := text.rfind("<answer>", pos, close)) >= 0:
-            a, committed = _final(inner := text[open_ + 8:close], 1)
-            answers, pos = answers + [a if committed else inner.strip() or None], close + 9
-        tail, tail_committed = _final(text[pos:], 1)
-        answers += [tail] if tail_committed else [None] if _retracts(text, pos) else []
-        ok = all(answers) and all(a == answers[-1] or is_equiv(a, answers[-1]) for a in set(answers[:-1]))
-        return (answers[-1] if ok else None), True
-    if (found := _commitments(text)) is None:
+            a, committed = _final(inner := text[open_ + 8:close], False)
+            commits, pos = commits + [(open_, close + 9, a if committed else inner.strip() or None, False)], close + 9
+    if (found := _commitments(text[pos:])) is None:
         return None, True
-    if not (commits := found[0]):
-        return None, found[1] >= 0
-    last = max(j for _, j, *_ in commits)
-    if found[1] > commits[-1][0] or _retracts(text, last):
-        return None, True
-    boxes, others = [], [a for *_, a, box in commits if not box]
-    for *_, a, box in commits:
-        if box and not any(a == b or is_equiv(a, b) for b in boxes):
-            boxes.append(a)
+    commits += [(i + pos, j + pos, a, box) for i, j, a, box in found[0]]
+    unfinished, ends = (found[1] + pos if found[1] >= 0 else -1), list(accumulate((c[1] for c in commits), max))
+    end = ends[-1] if commits else 0  # after the last one: a retraction, a doubt it does not settle, a hedge
+    after = [m["weak"] for m in _RETRACT.finditer(text, end, end + 1000)]
+    if not commits or unfinished > commits[-1][0] or None in after or after and not _CONFIRM.search(
+            text, end, end + 1000) or _HEDGE.search(text, end, end + 1000) or _QUESTION.match(text, end):
+        return None, bool(commits) or unfinished >= 0
+    cut = next((k for k in range(len(commits) - 1, 0, -1) if _withdraws(text, ends[k - 1], commits[k][0])), 0)
+    withdrawn, commits = dict.fromkeys(c[2] for c in commits[:cut]), commits[cut:]  # a retraction: all before it
+    boxes, others, texts = [], [a for *_, a, box in commits if not box], dict.fromkeys(c[2] for c in commits if c[3])
+    for a in texts if len(texts) <= 8 else ():  # more different boxes is no answer (below): no pairs compared
+        boxes += [] if any(is_equiv(a, b) for b in boxes) else [a]
     answers = others + ([", ".join(boxes)] if len(boxes) > 1 else boxes)
     final = ", ".join(boxes) if commits[-1][3] and len(boxes) > 1 else commits[-1][2]
-    if len(set(answers)) > 8 or not all(a == final or is_equiv(a, final) for a in answers):
-        return None, True
-    return final, True
+    other = islice((a for a in withdrawn if a != final and not is_equiv(a, final)), MAX_WITHDRAWN + 1)  # not again
+    ok = None not in answers and len(set(answers)) <= 8 and len(texts) <= 8 and all(
+        a == final or is_equiv(a, final) for a in answers) and len(list(other)) <= MAX_WITHDRAWN
+    return (final if ok else None), True
 
 
 def extract_answer(text: str, lenient: bool = False) -> str | None:
@@ -189,10 +203,11 @@ def extract_answer(text: str, lenient: bool = False) -> str | None:
     return answer if answer != TOO_LONG else None
 
 
-_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox"
-                   r"|operatorname|emph|boldsymbol|bm|hbox)\s*\{([^{}]*)\}")
-_DROP = re.compile(r"(?=[\\^°%$+dtc])(?:\\(?:left|right|middle|displaystyle|textstyle|qquad|quad|degree|bigg?[lrm]?)"
-                   r"(?![a-z])"
+_TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|textup|textmd|mathrm|mathbf|mathit|mathsf"
+                   r"|mathtt|mathnormal|mathup|mbox|hbox|operatorname|emph|boldsymbol|bm|pmb|underline)\s*"
+                   r"\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")  # presentation only; one path per character: linear
+_DROP = re.compile(r"(?=[\\^°%$+dtc])(?:\\(?:left|right|middle|(?:display|text|script|scriptscript)style|qquad|quad"
+                   r"|degree|bigg?[lrm]?|bf|rm|it|sf|tt|boldmath|(?:text)?color\s*\{[a-z]*\})(?![a-z])"
                    r"|(?<!\\)\\[!,;: ]|\^\s*\{\s*\\circ\s*\}|(?<=\\)[dtc](?=frac|binom)|\^\s*\\circ|\\circ|°|\\%|%"
                    r"|\\\$|\$|\\[()\[\]]|(?<![\w}])\+(?=\s*\\infty))")  # the lookahead: fail fast
 _UNICODE = dict(zip("−×·±∞π√÷≤≥≠∪…⁄", ("-", "\\times", "\\cdot", "\\pm", "\\infty", "\\pi", "\\sqrt", "\\div",
@@ -217,16 +232,15 @@ _ARG = r"((?:[^{}]|\{[^{}]*\})+)"  # a \frac argument: nested braces one level d
 _SIMPLE_FRAC = re.compile(r"\\frac\{" + _ARG + r"\}\{" + _ARG + r"\}")
 _ATOM = re.compile(r"-?(?:[\d.]+|[a-z]|\\[a-z]+(?:\{[^{}]*\})?)")  # one factor: 2, x, \pi, \sqrt{3}
 _PRODUCT = re.compile(r"-?(?:[\d.]|[a-z]|\\[a-z]+(?![a-z])(?:\{[^{}]*\})?)+")  # factors side by side: 3\pi, 2\sqrt{3}
-_DOTS = re.compile(r"(-?\d*)\.(\d+)(?:\\[lc]?dots|\.\.\.)")  # 0.666\ldots
+_DOTS = re.compile(r"(?<!\d)(-?\d*)\.(\d+)(?:\\[lc]?dots|\.\.\.)")  # 0.666\ldots; one try per run
 _WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
                                      "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
 _WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
 _SCALES = {"hundred": 100, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9}
 _WORD = "(?:%s)" % "|".join(list(_WORDS) + list(_SCALES))
 _NUMWORD = re.compile(r"(?<![\w.])(?:(\d+(?:\.\d+)?)\s+)?(%s(?:(?:\s+and\s+|[\s-]+)%s)*)\b" % (_WORD, _WORD))
-_LETTERS = re.compile(r"(?:^|[^\\a-z])[a-z]{2}")
 _PLURAL = re.compile(r"\b([a-z]{2,}?)(ies|(?:(?<=[sxz])|(?<=ch|sh))es|(?<![sui])s)\b")
-_RELATION = re.compile(r"(<|>|\\le|\\ge)")
+_LETTERS, _RELATION = re.compile(r"(?:^|[^\\a-z])[a-z]{2}"), re.compile(r"(<|>|\\le|\\ge)")
 _BASE, _CHOICE = re.compile(r"([0-9a-z]+)_\{(\d+)\}"), re.compile(r"\(([a-e])\)((?:\(?-?\d|\\frac|\\sqrt).*)")
 
 
@@ -244,31 +258,32 @@ def _number_words(m: re.Match) -> str:
     if m[1] and words[0] not in _SCALES:  # 3 seven is no number
         return m.group()
     total, part = Fraction(0), Fraction(m[1] or 0)
-    for w in words:
-        if w in _WORDS:
-            part += _WORDS[w]
-        elif w in _SCALES:
-            part = (part or 1) * _SCALES[w]
-            total, part = (total + part, Fraction(0)) if w != "hundred" else (total, part)
+    for w in words:  # "and" is neither
+        part = part + _WORDS[w] if w in _WORDS else (part or 1) * _SCALES[w] if w in _SCALES else part
+        total, part = (total + part, Fraction(0)) if w in _SCALES and w != "hundred" else (total, part)
     v = total + part
     return str(v.numerator) if v.denominator == 1 else str(float(v))
 
 
 def _dots(m: re.Match) -> str:
     """0.1666\\ldots -> 0.1\\overline{6}: the shortest repeating tail shown at least twice, else unchanged."""
-    d = m[2]
-    sp = next(((s, p) for s in range(len(d)) for p in range(1, (len(d) - s) // 2 + 1) if d[s + p:] == d[s:-p]), None)
-    return f"{m[1]}.{d[:sp[0]]}\\overline{{{d[sp[0]:sum(sp)]}}}" if sp else m.group()
+    d, k, fail = m[2], 0, [0]  # KMP on the reversed digits: every tail's shortest period in one linear pass
+    for c in (r := d[::-1])[1:]:
+        while k and c != r[k]:
+            k = fail[k - 1]
+        fail.append(k := k + (c == r[k]))
+    s, p = next(((len(d) - t, t - fail[t - 1]) for t in range(len(d), 0, -1) if 2 * (t - fail[t - 1]) <= t), (0, 0))
+    return f"{m[1]}.{d[:s]}\\overline{{{d[s:s + p]}}}" if p else m.group()
 
 
 def _normalize(s: str) -> str:
-    s = s.strip().lower().replace("...", "\\ldots")
+    s = " ".join(s.lower().split()).replace("...", "\\ldots")  # one space: no \\s+ scans a run twice
     if s.startswith(("\\boxed", "\\fbox")) and (b := _boxes(s, 0, len(s))[0]) and b[0][1] == len(s):
         s = b[0][2]  # a whole-answer box
     s = "".join(_UNICODE.get(c, c) for c in s) if not s.isascii() else s
     s = _SUPER.sub(lambda m: "^{" + m.group().translate(_SUPER_DIGITS) + "}", s)  # x² -> x^{2}
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
-    for _ in range(8):  # innermost \text{} first; nesting deeper than 8 stays as it is
+    for _ in range(8 if "\\" in s and _TEXT.search(s) else 0):  # \mathbf{\frac{3}{8}}; nested ones in turn
         s = _TEXT.sub(r" \1", s)
     for t, a, b in _SPELL:
         s = a.sub(b, s.strip()) if t in s else s
@@ -276,7 +291,7 @@ def _normalize(s: str) -> str:
     s = _FRAC_ARGS.sub(lambda m: "\\" + m[1] + "".join(a if a[0] == "{" else "{" + a + "}" for a in m.groups()[1:]), s)
     s = s.strip().rstrip(".").strip()
     if _LETTERS.search(s):  # number words, and "a and b" as a list
-        s = re.sub(r",?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s))
+        s = re.sub(r"(?<!\s),?\s+and\s+", ", ", _NUMWORD.sub(_number_words, s))
     s = _UNITS.sub("", s.strip())
     if re.fullmatch(r"[a-z][a-z' -]*", s):  # a word answer: no article, singular
         s = _PLURAL.sub(lambda m: m[1] + ("y" if m[2] == "ies" else "") if len(m[0]) > 3 else m[0],
@@ -381,21 +396,14 @@ def _equal(a: str, b: str, depth: int = 0) -> bool:
     return True
 
 
-def _long_equal(a: str, b: str) -> bool:
-    """Answers past MAX_ANSWER: identical up to spacing, or the same plain decimal (linear time)."""
-    a, b = (t.translate(_SPACING).replace("\\,", "").replace("\\!", "").replace("{,}", "") for t in (a, b))
-    if a == b:
-        return True
-    ka, kb = decimal_key(a.replace(",", "")), decimal_key(b.replace(",", ""))
-    return ka is not None and ka == kb
-
-
 def is_equiv(pred: str | None, gold: str | None) -> bool:
     """True when the two answers are the same after normalisation (exact rationals for numbers): steps 2-3."""
     if pred is None or gold is None or len(pred) > MAX_LONG or len(gold) > MAX_LONG or TOO_LONG in (pred, gold):
         return False
-    if len(pred) > MAX_ANSWER or len(gold) > MAX_ANSWER:
-        return bool(pred.strip()) and _long_equal(pred, gold)
+    if len(pred) > MAX_ANSWER or len(gold) > MAX_ANSWER:  # identical up to spacing, or the same plain decimal
+        a, b = (t.translate(_SPACING).replace("\\,", "").replace("\\!", "").replace("{,}", "") for t in (pred, gold))
+        return bool(pred.strip()) and (a == b or (k := decimal_key(a.replace(",", ""))) is not None
+                                       and k == decimal_key(b.replace(",", "")))
     a, b = _normalize(pred), _normalize(gold)
     return bool(a) and bool(b) and _equal(a, b)
 
@@ -430,11 +438,8 @@ def eval_arith(expr: str) -> Fraction | None:
 
 
 def step_rewards(solution: str) -> list[tuple[int, bool]]:
-    """Per step of "8-18=-10;-10+13=3 #### 3" (split by ';' or newlines, up to '####'): (end, correct).
-
-    end: exclusive character offset of the step's end (whitespace around a step is not part of it), so its
-    last character is solution[end - 1]. correct: "lhs=rhs" with eval_arith(lhs) == eval_arith(rhs).
-    """
+    """Per step of "8-18=-10;-10+13=3 #### 3" (split by ';' or newlines, up to '####'): (end, correct). end: exclusive
+    offset of the step's end (its last character is solution[end - 1]); correct: eval_arith(lhs) == eval_arith(rhs)."""
     stop, out = solution.find("####"), []
     for m in _STEP.finditer(solution, 0, stop if stop >= 0 else len(solution)):
         lhs, eq, rhs = m.group().partition("=")

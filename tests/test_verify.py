@@ -139,6 +139,9 @@ EQUIV_FALSE = [
     ("1,2", "12"), ("1,2", "1.2"), ("1,000", "1"), ("1,00", "100"), ("12,34", "1234"),  # commas
     ("-5", "5"), ("5", "-5"), ("\\pm 3", "3"),  # signs
     ("2.51", "2.5"), ("0.3333", "1/3"), ("0.33", "\\frac{1}{3}"),  # exact, no float tolerance
+    ("3.14", "3.1416"), ("0.333", "0.3333"), ("2.5", "2.501"), ("1.0001", "1"), ("0.125", "0.1249"),  # issue 36:
+    # no tolerance
+    ("99.99", "100"), ("100000", "100001"), ("1.00001", "1"), ("\\frac{1}{3}", "0.3333"), ("-2.5", "-2.499"),
     ("1/2", "2"), ("\\frac{1}{2}", "\\frac{2}{1}"), ("2\\frac{1}{2}", "21/2"), ("\\frac{1}{0}", "0"),  # fractions
     ("\\frac{1}{2x}", "\\frac{1}{2}x"), ("1/0", "0"), ("\\frac{1}{0}", "\\infty"),
     ("50\\%", "5"), ("5 cm", "6"), ("2ab", "2"), ("x = 5", "6"), ("x + y = 5", "5"),
@@ -370,7 +373,7 @@ FINAL = [  # (completion, gold, reward): the answer is what the completion commi
     ("It is either \\boxed{12} or perhaps \\boxed{15}.", "12", 0.0),
     ("It is either \\boxed{12} or perhaps \\boxed{15}.", "15", 0.0),
     ("So \\boxed{12}.\n#### 15", "15", 0.0),
-    ("#### 12\nOn second thought the answer is 15.", "15", 0.0),
+    ("#### 12\nOn second thought the answer is 15.", "12", 0.0),  # issue 36: a correction; 15 earns 1 (CORRECTIONS)
     ("The answer is 12.\nThe answer is 15.", "15", 0.0),
     ("<answer>12</answer><answer>15</answer>", "15", 0.0),
     ("<think>so</think><answer>12</answer> and \\boxed{15}", "12", 0.0),
@@ -438,7 +441,9 @@ HEDGES = [  # templates of completions that commit to two answers, or to one and
     "maybe \\boxed{{{a}}}, or else \\boxed{{{b}}}",
     "\\boxed{{{a}}}. Hmm, no: recounting gives {b}.",
     "#### {a}\nThat is wrong, let me recount.",
-    "\\boxed{{{a}}} is impossible because it is too big; hence the answer is {b}.",
+    "\\boxed{{{a}}}, though {b} is also possible.",  # issue 36: "{a} is impossible ...; the answer is {b}" corrects
+    "\\boxed{{{a}}} (or possibly \\boxed{{{b}}})",
+    "\\boxed{{{a}}}. Hmm, it could also be \\boxed{{{b}}}.",
     "The answer is {a}.\n#### {b}",
     "\\boxed{{{a}}}\nThe final answer is {b}.",
     "<answer>{a}</answer>\n<answer>{b}</answer>",
@@ -460,7 +465,91 @@ def test_reward_hacking_hedges_earn_nothing():
                 assert reward(text, gold) == 0.0, (text, gold)
     for t in HEDGES:  # the control: each template with one answer stated once, no retraction, is rewarded
         assert reward(t.format(a="12", b="12").split("\n")[0].split(" Wait")[0].split(" Actually")[0]
-                      .split("Hmm")[0].split(" is impossible")[0].split(", then")[0], "12") == 1.0, t
+                      .split("Hmm")[0].split(", though")[0].split(" (or")[0].split(", then")[0], "12") == 1.0, t
+
+
+# self-correction (issue 36): the last commitment counts when every earlier different one is withdrawn by a retraction
+CORRECTIONS = [  # (completion, its corrected answer: 1, the withdrawn one: 0)
+    ("First attempt: \\boxed{12}. Checking again I double-counted two cases, so 12 + 2 = 14. \\boxed{14}", "14", "12"),
+    ("\\boxed{10} is wrong because of overflow; the right value is \\boxed{-6}", "-6", "10"),
+    ("The answer is 42. Wait, I made an arithmetic error: 6 \\times 6.5 = 39. The answer is 39.", "39", "42"),
+    ("Tentatively, the final answer is 12. After re-checking the last case there is one more: the final answer is 13.",
+     "13", "12"),
+    ("So the total is \\boxed{56}. Hmm, that's not right. Let me redo the product: 7 \\cdot 9 = 63. \\boxed{63}", "63",
+     "56"),
+    ("The answer is 15.\n\nActually, I made an error: the discount applies twice.\nThe answer is 12.", "12", "15"),
+    ("#### 24\nCorrection: she sold 30 on Monday.\n#### 30", "30", "24"),
+    ("The sum is \\boxed{101}. Let me re-check... I see, I forgot the carry. The sum is \\boxed{111}.", "111", "101"),
+    ("\\boxed{7}\n\nWait, no. I misread the question: it asks for the remainder. \\boxed{3}", "3", "7"),
+    ("The answer is 8. No, that's incorrect; the answer is 9.", "9", "8"),
+    ("So $\\boxed{\\frac{1}{3}}$. Oops, I inverted the fraction: $\\boxed{3}$.", "3", "1/3"),
+    ("Final answer: 20. Hmm, wait: 4 \\times 6 = 24. Final answer: 24.", "24", "20"),
+    ("<answer>12</answer> Wait, that is wrong. <answer>14</answer>", "14", "12"),
+    ("Thus x = \\boxed{2}. On second thought, x = 2 is extraneous; the only solution is \\boxed{-3}.", "-3", "2"),
+    ("The answer is 100. My mistake: the rate is per minute, so the answer is 6000.", "6000", "100"),
+    ("We get \\boxed{18}. But that can't be, the total is only 15. Recounting: \\boxed{12}.", "12", "18"),
+    ("\\boxed{(1, 2)}. Wait, the order is reversed: \\boxed{(2, 1)}", "(2,1)", "(1,2)"),
+    ("#### 12\nOn second thought the answer is 15.", "15", "12"),
+    ("\\boxed{4}. Actually, let me reconsider: it asks for the perimeter. \\boxed{16}", "16", "4"),
+    ("\\boxed{2\\sqrt{2}} is impossible because it is too big; hence the answer is \\frac{3}{4}.", "3/4", "2\\sqrt2"),
+    ("The roots are \\boxed{2} and \\boxed{3}. Wait, a sign error: the roots are \\boxed{2} and \\boxed{-3}.", "2, -3",
+     "2, 3"),  # a set answer corrected: the boxes since the retraction are the answer
+    # hedge withdrawn
+    ("\\boxed{12} or maybe \\boxed{14}. Hmm, let me recheck: only 14 works. \\boxed{14}", "14", "12"),
+    ("\\boxed{5}. Wait, wrong. \\boxed{6}. No, that's a mistake too: \\boxed{7}", "7", "6"),  # two withdrawn: the cap
+]
+HEDGED = [  # (completion, gold): nothing withdraws the earlier answer, or the last one is doubted: 0 for any gold
+    ("\\boxed{12} or maybe \\boxed{14}", "14"), ("\\boxed{12} (or possibly \\boxed{14})", "14"),
+    ("The answer is either 12 or 14.", "12"), ("The answer is 12, though 14 is also possible.", "12"),
+    ("\\boxed{12}. Hmm, it could also be \\boxed{14}.", "14"),
+    ("\\boxed{12}, but I might be wrong; maybe \\boxed{14}", "14"),
+    ("The answer is 12. But if I'm wrong, the answer is 14.", "14"), ("\\boxed{12}? Or \\boxed{14}?", "14"),
+    ("The answer is 12, but I'm not sure.", "12"), ("\\boxed{14}. Wait, I made a mistake somewhere.", "14"),
+    ("The answer is 14. Hmm, let me recheck that.", "14"),
+    ("\\boxed{12}. Wait, actually it might be \\boxed{14}.", "14"),
+    ("\\boxed{12}\n\\boxed{14}", "14"), ("The answer is 12.\nThe answer is 14.", "14"), ("The answer is 14?", "14"),
+    ("I think \\boxed{12}, although \\boxed{14} is equally plausible.", "14"),
+    ("#### 12\nOr it could be 14, depending on rounding.", "12"),
+]
+
+
+@pytest.mark.parametrize("completion,right,withdrawn", CORRECTIONS)
+def test_a_correction_earns_its_last_answer(completion, right, withdrawn):
+    assert reward(completion, right) == 1.0 and reward(completion, withdrawn) == 0.0
+
+
+@pytest.mark.parametrize("completion,gold", HEDGED)
+def test_a_hedge_earns_nothing(completion, gold):
+    for g in (gold, "12", "14"):
+        assert reward(completion, g) == 0.0
+
+
+def test_enumerating_retracted_answers_earns_nothing():
+    """Listing candidates and 'retracting' all but one: at most two different answers may be withdrawn."""
+    for k in range(1, 9):
+        wrong = "".join(f"\\boxed{{{i}}} is wrong. " for i in range(k))
+        assert reward(wrong + "\\boxed{42}", "42") == (1.0 if k <= 2 else 0.0), k  # the third withdrawal ends it
+    assert reward("\\boxed{7} is wrong. \\boxed{7} is wrong again. \\boxed{7}, wrong. \\boxed{42}", "42") == 1.0
+    listed = "".join(f"\\boxed{{{i}}}" + (" is wrong. " if i != 42 else ". ") for i in range(38, 46))
+    assert reward(listed, "42") == 0.0 and reward(listed + "\\boxed{42}", "42") == 0.0  # the right one in the middle
+    assert reward("\\boxed{41} wrong \\boxed{43} wrong \\boxed{42} wrong", "42") == 0.0  # and all retracted
+
+
+WRAPPED = [  # presentation macros around an answer with braces of its own (issue 36): dropped, the rest compared
+    "\\mathbf{\\frac{3}{8}}", "\\textbf{\\frac{3}{8}}", "\\mathrm{\\frac{3}{8}}", "\\text{\\frac{3}{8}}",
+    "\\displaystyle{\\frac{3}{8}}", "\\boldsymbol{\\frac{3}{8}}", "\\mathit{\\frac{3}{8}}", "\\textstyle{\\frac{3}{8}}",
+    "\\operatorname{\\frac{3}{8}}", "\\bm{\\frac{3}{8}}", "\\mathsf{\\frac{3}{8}}", "\\textit{\\frac{3}{8}}",
+    "\\underline{\\frac{3}{8}}", "\\pmb{\\frac{3}{8}}", "{\\bf \\frac{3}{8}}", "\\color{red}{\\frac{3}{8}}",
+    "\\textcolor{blue}{\\frac{3}{8}}", "\\scriptstyle{\\frac{3}{8}}", "\\mathbf{\\boldsymbol{\\frac{3}{8}}}",
+    "\\frac{\\mathbf{3}}{\\mathbf{8}}", "\\mbox{\\frac{3}{8}}", "\\textrm{\\dfrac{3}{8}}", "\\mathtt{\\frac{3}{8}}",
+]
+
+
+@pytest.mark.parametrize("pred", WRAPPED)
+def test_presentation_wrappers_are_dropped(pred):
+    assert is_equiv(pred, "0.375") and is_equiv("0.375", pred) and is_equiv(pred, "\\frac{3}{8}")
+    assert not is_equiv(pred, "0.38") and not is_equiv(pred, "\\frac{8}{3}")
+    assert reward(f"So the answer is $\\boxed{{{pred}}}$.", "0.375") == 1.0
 
 
 FORMS_TRUE = [  # the forms a MATH grader accepts (item 3 of issue 23)
@@ -678,6 +767,48 @@ def test_adversarial_inputs_are_fast(name):
         fn(text)
         elapsed = time.perf_counter() - start
         assert elapsed < 1.0, f"{fname} took {elapsed:.3f} s on {name}"  # target is ~10 ms; 1 s keeps CI calm
+
+
+M, K = 1_000_000, 90_000
+HOSTILE = [  # (completion, gold, reward): long runs of the characters the parser scans for, around a real answer
+    ("#### 5" + " " * 50_000, 1.0), ("#### 5" + " " * M, 1.0), ("#### 5" + "\n" * M, 1.0),
+    ("#### 5" + "\r\n\t " * N, 1.0),
+    ("The answer is 5" + " " * M, 1.0), ("The answer is 5." + "\n" * M, 1.0), ("\\boxed{5}" + " " * M, 1.0),
+    (" " * M + "\\boxed{5}", 1.0), ("\n" * M + "#### 5", 1.0), ("The answer is" + " " * M + "5", 1.0),
+    ("The answer is:" + "\n" * M + "5", 1.0), ("\\boxed{" + " " * M + "5" + " " * M + "}", 1.0),
+    ("\\boxed" + " " * M + "5", 1.0), ("<answer>" + " " * M + "5</answer>", 1.0),
+    ("</think>" + " " * M + "#### 5", 1.0),
+    ("{" * M + "\\boxed{5}", 1.0), ("}" * M + "\\boxed{5}", 1.0), ("\\" * M + "\\boxed{5}", 1.0),
+    ("#" * M + "\n#### 5", 0.0), ("1" * M + "\n#### 5", 1.0), ("$" * M + "\\boxed{5}", 1.0),
+    ("the answer is " * (M // 14) + "5", 0.0), ("\\boxed{" * (M // 7) + "5}", 0.0), ("#### " * (M // 5) + "5", 0.0),
+    ("\\boxed{5" + " " * M, 0.0), ("#### 5" + "{" * M, 0.0), ("#### 5 " + "1 " * M, 0.0),  # unclosed, or no end
+    ("\\boxed{" + "\\mathbf{\\frac{1}{8}}+" * 99 + "\\textbf{\\frac{1}{8}}}", "12.5", 1.0),
+    ("\\boxed{" + "\\mathbf{" * 400 + "5}", 0.0), ("\\boxed{5}" + " wait" * M, 0.0),
+    ("\\boxed{4}. Wait, that's wrong." + " " * M + "\\boxed{5}", 1.0), ("\\boxed{4}" + " " * M + "\\boxed{5}", 0.0),
+    ("\\boxed{4} is wrong." + " a" * (M // 2) + " \\boxed{5}", 1.0),
+    ("\\boxed{4}" + " a" * (M // 2) + " \\boxed{5}", 0.0),
+    ("\\boxed{4} or maybe" + " wait" * (M // 5) + " \\boxed{5}", 0.0),  # a gap of cues and hedges: one pass
+    ("\\boxed{0." + "3" * 3000 + "\\ldots}", "\\frac13", 1.0),
+    ("\\boxed{0." + "3" * 3000 + "4\\ldots}", "\\frac13", 0.0),
+    ("\\boxed{" + "1" * 3900 + ".5}", "1" * 3900 + ".50", 1.0), ("#### " + "1" * 3900 + ".5", "1" * 3900 + ".6", 0.0),
+    ("\\boxed{ab" + " \\," * 1300 + " and c}", "c, ab", 1.0), ("\\boxed{" + "\\frac{" * 600 + "}", "1", 0.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOSTILE)))
+def test_hostile_inputs_get_the_right_answer(case):
+    text, *gold, expected = HOSTILE[case]
+    assert reward(text, gold[0] if gold else "5") == expected
+
+
+LONG_DECIMALS = [("1." + "0" * K + "1", "1." + "0" * K + "10", True), ("0" * K + "7", "7", True),  # K: below MAX_LONG
+                 ("1." + "0" * K + "1", "1." + "0" * K + "2", False), ("0" * K + "x", "0" * K + "y", False)]
+
+
+@pytest.mark.parametrize("case", range(len(LONG_DECIMALS)))
+def test_long_decimals_compare_digit_by_digit(case):
+    a, b, expected = LONG_DECIMALS[case]
+    assert is_equiv(a, b) == expected and is_equiv(b, a) == expected
 
 
 def test_adversarial_short_answers_are_fast():

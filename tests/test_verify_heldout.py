@@ -1,4 +1,5 @@
-"""verify.reward on 177 GSM8K/MATH-style completion endings written after the code of issue 23 (75 to reject).
+"""verify.reward on 177 GSM8K/MATH-style completion endings written after the code of issue 23 (75 to reject; 68
+since issue 36 made its seven explicit self-corrections earn their last answer).
 
 A check held out from tuning: the first run agreed on 176 of 177 (a clause "the answer is the number of ways to
 ..." was read as an answer; descriptions are now no commitment). `PYTHONPATH=. python tests/test_verify_heldout.py`
@@ -35,17 +36,20 @@ HELD_OUT = [  # (completion, gold, reward)
     ('Each share is 1/4 of the pizza, and the answer is 0.25.', '1/4', 1.0),
     ('Natalia sold 24 clips in May, so 48 + 24 = 72.\n#### 72', '71', 0.0),
     ('He has 5 apples. #### 5\nWait, he gave 2 away, so he has 3.', '5', 0.0),
-    ('He has 5 apples. #### 5\nWait, he gave 2 away, so he has 3.\n#### 3', '3', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('He has 5 apples. #### 5\nWait, he gave 2 away, so he has 3.\n#### 3', '3', 1.0),
     ('So the answer is 40 or maybe 45.', '40', 0.0),
     ('The total cost is 3 * 12 = 36 dollars, plus tax', '36', 0.0),
     ("I think it is 12 but I'm not sure", '12', 0.0),
     ("#### 14\nHmm, I double counted the blue ones, so it's not 14.", '14', 0.0),
     ('The answer is 9.\nLet me recheck: 4 + 6 = 10, so the answer is 10.', '9', 0.0),
-    ('The answer is 9.\nLet me recheck: 4 + 6 = 10, so the answer is 10.', '10', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('The answer is 9.\nLet me recheck: 4 + 6 = 10, so the answer is 10.', '10', 1.0),
     ('First, 3 + 4 = 7. Then 7 * 2 = \\boxed{1', '14', 0.0),
     ('We need to determine whether the answer is 50 by checking each case. Case 1:', '50', 0.0),
     ('\\boxed{25} dollars per hour is wrong because the rate is per day. The answer is 200.', '25', 0.0),
-    ('\\boxed{25} dollars per hour is wrong because the rate is per day. The answer is 200.', '200', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('\\boxed{25} dollars per hour is wrong because the rate is per day. The answer is 200.', '200', 1.0),
     ('So she has 3/4 of the cake left.\n#### 0.75', '3/5', 0.0),
     ('#### 1200', '120', 0.0),
     ('The answer is 12.5 percent.', '12', 0.0),
@@ -76,7 +80,8 @@ HELD_OUT = [  # (completion, gold, reward)
     ('Hence the answer is $\\boxed{\\textbf{(D) }12}$.', '\\text{(D)}', 1.0),
     ('The value is $\\boxed{10^{6}}$.', '1000000', 1.0),
     ('There are $\\binom{8}{3} = \\boxed{56}$ ways.', '56', 1.0),
-    ('Thus the answer is $\\boxed{\\infty}$... no wait, it converges: $\\boxed{2}$.', '2', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('Thus the answer is $\\boxed{\\infty}$... no wait, it converges: $\\boxed{2}$.', '2', 1.0),
     ('So $x = \\boxed{3}$.', '-3', 0.0),
     ('Thus the solutions are $x = \\boxed{3}$ and $x = \\boxed{-5}$.', '3', 0.0),
     ('Thus the solutions are $x = \\boxed{3}$ and $x = \\boxed{-5}$.', '3, 5', 0.0),
@@ -145,14 +150,16 @@ HELD_OUT = [  # (completion, gold, reward)
     ('The answer is: $(1,3)$', '(1,3)', 1.0),
     ('The answer is the number of ways to choose 2 of 5, which is 10.\nSo the answer is \\boxed{10}.', '5', 0.0),
     ('The answer is 24.\n\nActually, wait. The rectangle is 6 by 5, so the area is 30.', '24', 0.0),
-    ('The answer is 24.\n\nActually, wait. The rectangle is 6 by 5, so the answer is 30.', '30', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('The answer is 24.\n\nActually, wait. The rectangle is 6 by 5, so the answer is 30.', '30', 1.0),
     ('\\boxed{10}\n\nHmm, but I think I made an error in the second step.', '10', 0.0),
     ('x = \\boxed{-2} or x = \\boxed{4}', '4', 0.0),
     ('So the answer is probably 12, though I could be wrong.', '12', 0.0),
     ('The answer is 12 or 13 depending on rounding.', '12', 0.0),
     ('#### 5\n#### 6', '6', 0.0),
     ('The final answer is $\\boxed{', '5', 0.0),
-    ('Thus the answer is $\\boxed{7}$. Hmm, no, the answer is $\\boxed{8}$.', '8', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('Thus the answer is $\\boxed{7}$. Hmm, no, the answer is $\\boxed{8}$.', '8', 1.0),
     ("\\boxed{3}. No, that's incorrect; the correct value is 4.", '3', 0.0),
     ('Answer: 15 marbles', '16', 0.0),
     ('The total is $\\boxed{\\$1,\\!250}$.', '125', 0.0),
@@ -198,7 +205,8 @@ HELD_OUT = [  # (completion, gold, reward)
     ('The answer is 12. No, I misread: the answer is 21.', '12', 0.0),
     ('The number of divisors is $\\boxed{12}$, which is wrong since we double counted $6$.', '12', 0.0),
     ('Hence $\\boxed{x = \\frac{5}{3}}$', '\\frac35', 0.0),
-    ('So she has $\\boxed{7}$ left... Actually, the 2 she lent come back, so $\\boxed{9}$.', '9', 0.0),
+    # issue 36: a correction earns its last answer (0.0 before)
+    ('So she has $\\boxed{7}$ left... Actually, the 2 she lent come back, so $\\boxed{9}$.', '9', 1.0),
 ]
 
 

@@ -3,11 +3,10 @@
   2. Hugging Face transformers' generate (only if transformers is importable; the project does not need it),
   3. the matmul-only bound of a decode step: N rows times every weight matrix of every layer plus the LM head,
      as plain F.linear calls on preallocated inputs, in a loop. ours / bound is the fraction of it we reach.
-Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling
-(T = 1, no top-k / top-p). Each number is the best of --repeats runs, the methods taking turns every round (this
-machine's speed drifts by up to 2x over minutes: timing one method after another would skew their ratios).
-Settings are P×G×new-tokens; the first one is compared against all three, the others time ours alone (cost follows
-generated tokens, not G × prompt length: a prompt is prefilled once per group).
+Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling (T = 1,
+no top-k / top-p). Each number is the best of --repeats runs, the methods taking turns every round (speed drifts up to
+2x over minutes: one method after another would skew their ratios). Settings are P×G×new-tokens; the first is compared
+against all three, the others time ours alone (cost follows generated tokens: a prompt is prefilled once per group).
 
 Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so the LM head weighs like a real one:
   2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
@@ -30,7 +29,8 @@ rollout.score (logits at every position, a float32 copy, a [n, L, V] gather, a s
   python bench.py --logprobs --threads 1            (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
 
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers, long
-and adversarial texts), one thread, and math-verify's calls/s and agreement if importable:  python bench.py --verify
+and adversarial texts), one thread, its slowest call on hostile runs (HOSTILE) of 10k, 100k and 1M characters (linear
+time: ~10x per size), and math-verify's calls/s and agreement if importable:  python bench.py --verify
 """
 import argparse
 import itertools
@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from functools import partial
 
 import torch
@@ -62,24 +63,25 @@ VERIFY_FAMILIES = [  # gold, a right answer, a wrong one
     (r"2\sqrt{2}", r"\sqrt{8}", r"\sqrt{4}"), ("x^2+2x+1", "(x+1)^2", "x^2+1"), ("3+4i", "4i+3", "3-4i"),
     (r"\frac{\pi}{2}", r"\frac{1}{2}\pi", r"2\pi"), (r"\frac{\sqrt2}{2}", r"\frac{1}{\sqrt{2}}", r"\sqrt2"),
     ("3", r"\log_2 8", r"\log_2 4"), ("120", "5!", "100"), (r"\frac13", r"0.\overline{3}", "0.33"),
-    (r"\frac{x+2}{7}", r"\frac{x}{7}+\frac{2}{7}", r"\frac{x}{7}+2"), ("10", r"\binom{5}{2}", r"\binom{5}{1}"),
-]
+    (r"\frac{x+2}{7}", r"\frac{x}{7}+\frac{2}{7}", r"\frac{x}{7}+2"), ("10", r"\binom{5}{2}", r"\binom{5}{1}")]
 
 
 def verify_mix() -> list[tuple[str, str]]:
     """(completion, gold) pairs: each family right and wrong, in three answer formats; GSM8K lines; long texts
     (10 KB of reasoning with and without a final answer); adversarial boxes (unclosed, power towers, nesting)."""
-    pairs = []
-    for gold, right, wrong in VERIFY_FAMILIES:
-        for pred in (right, wrong):
-            pairs += [(f"<think>so on</think><answer>{pred}</answer>", gold), (f"Thus $\\boxed{{{pred}}}$.", gold),
-                      (f"The answer is ${pred}$.", gold)]
+    pairs = [(t.format(pred), gold) for gold, *preds in VERIFY_FAMILIES for pred in preds for t in (
+        "<think>so on</think><answer>{}</answer>", "Thus $\\boxed{{{}}}$.", "The answer is ${}$.")]
     pairs += [(f"Natalia sold {i} clips.\n#### {i * 2}", str(i * 2 + i % 2)) for i in range(10)]
     filler = "We add 12 and 30 to get 42, then check 7 * 6 = 42. " * 200
     pairs += [(filler + r"\boxed{42}", "42"), (filler + "so it is 42", "42"), (filler, "42")]
-    pairs += [("\\boxed{" + "{" * 20000, "1"), ("\\boxed{" + "10^" * 160 + "10}", "1"), (r"\boxed{1000!}", "1"),
-              ("\\boxed{" + "(" * 240 + "x" + ")" * 240 + "}", "x"), (r"\boxed{(a+b+c+d)^{30}}", "1")]
-    return pairs
+    return pairs + [("\\boxed{" + "{" * 20000, "1"), ("\\boxed{" + "10^" * 160 + "10}", "1"), (r"\boxed{1000!}", "1"),
+                     ("\\boxed{" + "(" * 240 + "x" + ")" * 240 + "}", "x"), (r"\boxed{(a+b+c+d)^{30}}", "1")]
+
+
+HOSTILE = [" ", "\n", "{", "}", "\\", "#### ", "1", "0", "the answer is ", "\\boxed{", "wait, ", "$", "\\frac{",
+           "\\mathbf{", "1, ", "(", " \\,", "a", "<answer>", "if I'm wrong "]  # runs the parser scans for: blanks, cues
+PLACES = [("", "{r}", "5"), ("#### 5 +", "#### 5{r}", "5"), ("\\boxed{5} +", "\\boxed{{5}}{r}", "5"),  # run r, digits d
+          ("withdrawn +", "\\boxed{{4}} is wrong.{r}\\boxed{{5}}", "5"), ("in a box:", "\\boxed{{1.{d}}}", "1.{d}0")]
 
 
 def bench_verify(rounds: int = 20):
@@ -87,28 +89,31 @@ def bench_verify(rounds: int = 20):
     t0 = time.perf_counter()
     ours = [[verify.reward(c, g) for c, g in pairs] for _ in range(rounds)][0]
     rate = rounds * len(pairs) / (time.perf_counter() - t0)
-    print(f"verify.reward: {rate:,.0f} calls/s on {len(pairs)} completions x {rounds} rounds, {sum(ours):.0f} rewarded")
+    slowest = {n: max((timeit.timeit(partial(verify.reward, t.format(r=u * (n // len(u)), d=(u * 3900)[:3900]),
+                                         g.format(d=(u * 3900)[:3900])), number=1) * 1e3, f"{k} {u!r}".strip())
+                      for u in HOSTILE for k, t, g in PLACES) for n in (10_000, 100_000, 1_000_000)}  # linear: ~10x
+    res = {"verify_calls_s": rate, "n": len(pairs), "slowest_ms": slowest}
+    print(f"verify.reward: {rate:,.0f} calls/s on {len(pairs)} completions x {rounds} rounds, {sum(ours):.0f} rewarded;"
+          f" the slowest of {len(HOSTILE) * len(PLACES)} hostile shapes: " + ", ".join(
+              f"{n:,} chars {t:.1f} ms ({k})" for n, (t, k) in slowest.items()))
     try:
         from math_verify import parse, verify as mv_verify
     except ImportError:
-        return print("math-verify is not installed: no comparison")
-    t0, theirs = time.perf_counter(), []
-    for c, g in pairs:  # the call TRL's and verl's reward functions make; its own timeouts on
-        theirs.append(float(mv_verify(parse(f"${g}$"), parse(c))))  # a bare gold needs $...$ to parse as LaTeX
+        return print("math-verify is not installed: no comparison\n" + json.dumps(res))
+    t0 = time.perf_counter()  # the call TRL's and verl's reward functions make, its own timeouts on; a bare gold
+    theirs = [float(mv_verify(parse(f"${g}$"), parse(c))) for c, g in pairs]  # needs $...$ to parse as LaTeX
     mv_rate = len(pairs) / (time.perf_counter() - t0)
     agree = sum(a == b for a, b in zip(ours, theirs)) / len(pairs)
     answers = [(p, g) for g, *preds in VERIFY_FAMILIES for p in preds]  # equivalence alone, without extraction
     same = sum(verify.is_equiv(p, g) == mv_verify(parse(f"${g}$"), parse(f"${p}$")) for p, g in answers) / len(answers)
     print(f"math-verify:   {mv_rate:,.0f} calls/s, {sum(theirs):.0f} rewarded; agreement with ours {agree:.1%} on "
           f"completions, {same:.1%} on the {len(answers)} bare answers; ours / math-verify {rate / mv_rate:,.0f}x")
-    print(json.dumps({"verify_calls_s": rate, "math_verify_calls_s": mv_rate, "agreement": agree,
-                      "answer_agreement": same, "n": len(pairs)}))
+    print(json.dumps(res | {"math_verify_calls_s": mv_rate, "agreement": agree, "answer_agreement": same}))
 
 
 # --------------------------------------------------------------------- log-probs at a real vocabulary
 def full_logits_logprobs(model, prompts, comps, T):
-    """The trainer's log-probs before rollout.score: logits at every position, gathered to [n, L, V], then a
-    chunked log-softmax and a separate entropy pass."""
+    """The trainer's log-probs before rollout.score: all logits, gathered to [n, L, V], log-softmax, entropy apart."""
     n, L = comps.shape
     seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())])
     logits = model(seqs[:, :-1]).float()                                                       # [n, T-1, V]
@@ -144,10 +149,9 @@ p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--size", default="2m", choices=sorted(PRESETS))
 p.add_argument("--ckpt", default="", help="a Hugging Face folder to load instead of a preset")
 p.add_argument("--settings", default="8x8x128,4x16x128,64x1x128", help="comma-separated P x G x new tokens")
-p.add_argument("--prompt_len", type=int, default=32)
+for name, default in (("--prompt_len", 32), ("--repeats", 3), ("--threads", 2), ("--vocab", 151936)):
+    p.add_argument(name, type=int, default=default)
 p.add_argument("--naive_tokens", type=int, default=16, help="the naive loop runs only this many steps")
-p.add_argument("--repeats", type=int, default=3)
-p.add_argument("--threads", type=int, default=2)
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
@@ -156,7 +160,6 @@ p.add_argument("--rl", action="store_true", help="the time split of one RL step 
 p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
 p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
 p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
-p.add_argument("--vocab", type=int, default=151936)
 p.add_argument("--gpu_new", type=int, default=512, help="--device cuda: new tokens per row of the decode check")
 p.add_argument("--gpu_rl_steps", type=int, default=2, help="--device cuda: RL steps timed")
 args = p.parse_args()
@@ -176,8 +179,7 @@ if args.logprobs:
                       for r in (f, c)))
     print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; |Δ sum "
           f"log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
-    print(json.dumps(res))
-    raise SystemExit
+    raise SystemExit(print(json.dumps(res)))
 if args.verify:
     torch.set_num_threads(1)
     raise SystemExit(bench_verify())
@@ -362,8 +364,7 @@ for n_rows in sorted({P_ * G_ for P_, G_, _ in settings}):  # no autograd from h
 best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
 tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
 pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
-for P_, G_, new_ in settings:
-    results[f"ours_{P_}x{G_}x{new_}"] = pair[f"ours {P_}x{G_}x{new_}"]
+results |= {f"ours_{P_}x{G_}x{new_}": pair[f"ours {P_}x{G_}x{new_}"] for P_, G_, new_ in settings}
 if hf_label:
     results["transformers"] = pair[hf_label]
 bounds = {int(k.split()[-2]): v for (k, _), v in tps.items() if k.startswith("matmul")}  # rows -> tokens/s

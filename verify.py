@@ -175,7 +175,7 @@ def _final(text: str, top: bool = True) -> tuple[str | None, bool]:
         return None, True
     commits += [(i + pos, j + pos, a, box) for i, j, a, box in found[0]]
     unfinished, ends = (found[1] + pos if found[1] >= 0 else -1), list(accumulate((c[1] for c in commits), max))
-    end = ends[-1] if commits else 0  # after the last one: a retraction, a doubt it does not settle, a hedge
+    end = ends[-1] if commits else len(text)  # after the last one: a retraction, a doubt it does not settle, a hedge
     after = [m["weak"] for m in _RETRACT.finditer(text, end, end + 1000)]
     if not commits or unfinished > commits[-1][0] or None in after or after and not _CONFIRM.search(
             text, end, end + 1000) or _HEDGE.search(text, end, end + 1000) or _QUESTION.match(text, end):

@@ -70,9 +70,9 @@ _HEDGE = re.compile(r"\b(?:or (?:maybe|possibly|perhaps|alternatively)|(?:it|thi
                     r"(?:also |well )?be [-\d$\\(]|answer would be|(?:could|might|may) (?:well )?be (?:wrong|mistaken"
                     r"|off\b)|(?:also|equally) (?:possible|plausible|valid)|not (?:\S+ )?(?:sure|certain)|unsure|(?:if"
                     r"|unless) (?:i'?m|that'?s|it'?s|i am|this is) (?:wrong|mistaken))|\(\s*or\b", re.I)
-_GAP = re.compile(r"(?P<hedge>" + _HEDGE.pattern + ")|" + _AMEND.pattern, re.I)  # one pass, leftmost match first
-_QUESTION, _BLANK, _SPACE = re.compile(r"[ \t$*]*\?"), re.compile(r"[^\S\n]*(?:\n|\Z)"), re.compile(r"\s*")  # 12?
-_BLANK_END, _LEAD, _CLOSE = re.compile(r"[ \t:*$\n]*\Z"), re.compile(r"[ \t:*]*(?:[\r\n]\s*)?"), re.compile(r"\s*\}")
+_GAP = re.compile(r"(?P<hedge>" + _HEDGE.pattern + r"|\b(?:another|other|also|both|second) (?:\w+ )?(?:root|solution"
+                  r"|answer|value|zero)s?)|" + _AMEND.pattern, re.I)  # one pass, leftmost first; "another root" adds
+_BLANK, _SPACE, _LEAD = re.compile(r"[^\S\n]*(?:\n|\Z)"), re.compile(r"\s*"), re.compile(r"[ \t:*]*(?:[\r\n]\s*)?")
 _CONFIRM = re.compile(r"\b(?:correct|confirm\w*|verified|checks out|yes)\b|✓", re.I)  # "Wait, let me check ... yes"
 _RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|,\s+(?!and\b)(?=[a-z]{2})|(?<!\s)\s+(?:\(|(?:since|because"
                     r"|as|so|which|given|hence|thus|therefore|not|i\.e\.|meaning|where|when|if|for|from|by|using)\b"
@@ -101,8 +101,8 @@ def _boxes(text: str, lo: int, hi: int) -> tuple[list, int]:
             p = q + 1
             if depth <= 0:
                 break
-        if depth == 1 and "{" not in text[p:stop] and (m := _CLOSE.match(text, stop, hi)):
-            depth, p = 0, m.end()
+        if depth == 1 and "{" not in text[p:stop] and text.startswith("}", e := _SPACE.match(text, stop, hi).end()):
+            depth, p = 0, e + 1
         out, unclosed = (out + [(i, p, text[k + 1:p - 1].strip())], unclosed) if depth == 0 else (out, i)
     return out, unclosed
 
@@ -149,7 +149,7 @@ def _commitments(text: str) -> tuple[list, int] | None:
         a, k = _clip(line, len(line) == len(body) and not _BLANK.match(text, base + len(body)))
         if a and not (_BOX.search(a) or _ANSWER_IS.search(a) or _DESCRIPTION.match(a)):  # else its box counts, or
             out.append((m.start(), base + k, a, False))  # the "answer is" in "Final answer: the answer is 5"
-        elif not a and _BLANK_END.match(text, m.end()):
+        elif not a and not body.strip(" \t:*$\n") and base + MAX_ANSWER >= len(text):
             unfinished = max(unfinished, m.start())  # cut off after "the answer is"
     return sorted(out), unfinished
 
@@ -175,10 +175,10 @@ def _final(text: str, top: bool = True) -> tuple[str | None, bool]:
         return None, True
     commits += [(i + pos, j + pos, a, box) for i, j, a, box in found[0]]
     unfinished, ends = (found[1] + pos if found[1] >= 0 else -1), list(accumulate((c[1] for c in commits), max))
-    end = ends[-1] if commits else len(text)  # after the last one: a retraction, a doubt it does not settle, a hedge
-    after = [m["weak"] for m in _RETRACT.finditer(text, end, end + 1000)]
-    if not commits or unfinished > commits[-1][0] or None in after or after and not _CONFIRM.search(
-            text, end, end + 1000) or _HEDGE.search(text, end, end + 1000) or _QUESTION.match(text, end):
+    tail = text[ends[-1]:ends[-1] + 1000] if commits else ""  # after the last one: a retraction, an unsettled doubt,
+    after = [m["weak"] for m in _RETRACT.finditer(tail)]  # a hedge, a question mark
+    if not commits or unfinished > commits[-1][0] or None in after or after and not _CONFIRM.search(tail) or (
+            _HEDGE.search(tail) or tail.lstrip(" \t$*").startswith("?")):
         return None, bool(commits) or unfinished >= 0
     cut = next((k for k in range(len(commits) - 1, 0, -1) if _withdraws(text, ends[k - 1], commits[k][0])), 0)
     withdrawn, commits = dict.fromkeys(c[2] for c in commits[:cut]), commits[cut:]  # a retraction: all before it

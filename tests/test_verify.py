@@ -513,6 +513,18 @@ HEDGED = [  # (completion, gold): nothing withdraws the earlier answer, or the l
 ]
 
 
+ADDED = [  # (completion, the set answer): a soft cue that adds an answer withdraws nothing; the boxes are one set
+    ("x = \\boxed{2}. Wait, there is another root: x = \\boxed{-3}.", "2, -3"),
+    ("x = \\boxed{2}. Hmm, the other solution is \\boxed{-3}.", "\\{-3, 2\\}"),
+    ("x = \\boxed{2}. Actually, both roots work: \\boxed{-3} as well.", "-3, 2"),
+]
+
+
+@pytest.mark.parametrize("completion,answer", ADDED)
+def test_a_soft_cue_that_adds_an_answer_keeps_the_set(completion, answer):
+    assert reward(completion, answer) == 1.0 and reward(completion, "-3") == 0.0 and reward(completion, "2") == 0.0
+
+
 @pytest.mark.parametrize("completion,right,withdrawn", CORRECTIONS)
 def test_a_correction_earns_its_last_answer(completion, right, withdrawn):
     assert reward(completion, right) == 1.0 and reward(completion, withdrawn) == 0.0

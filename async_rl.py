@@ -58,7 +58,7 @@ from cli import UserError
 
 BUCKET_BYTES = 128 << 20  # weights per broadcast: few collectives, and a bounded staging buffer each
 CHUNK_BYTES = 4 << 20     # one store value of a rollout message (torch's libuv TCPStore refuses values > 8 MiB)
-BEAT_S = 1.0              # how often each process beats its counter in the store
+BEAT_S = 1.0              # how often each process beats its counter in the store (at most; async_timeout / 10)
 
 
 class SideError(RuntimeError):
@@ -101,18 +101,30 @@ class Wire:
     def __init__(self, cfg, rank: int, side: str, peer: int):
         self.rank, self.side, self.peer, self.step = rank, side, peer, 0  # peer: the other side's leader
         self.dead_s, self.hung_s = cfg.async_timeout, cfg.collective_timeout
+        self.beat_s = min(BEAT_S, cfg.async_timeout / 10)  # ten beats missed before a peer counts as dead
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         prefix = f"async_rl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restarted job's keys are new
         self.store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, timeout=timedelta(
             seconds=cfg.collective_timeout)))
         beat = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False))  # the beat thread's own client
-        threading.Thread(target=self._beat, args=(beat,), daemon=True).start()
+        self.closed = threading.Event()
+        self.beater = threading.Thread(target=self._beat, args=(beat,), daemon=True)
+        self.beater.start()
 
     def _beat(self, store):
-        """Every BEAT_S: a new beat, this process's step and its progress (infra.TICKS: collectives done)."""
+        """Every beat_s: a new beat, this process's step and its progress (infra.TICKS: collectives entered)."""
         for n in itertools.count():
-            store.set(f"alive/{self.rank}", f"{n} {self.step} {infra.TICKS}")
-            time.sleep(BEAT_S)
+            try:
+                store.set(f"alive/{self.rank}", f"{n} {self.step} {infra.TICKS}")
+            except dist.DistError:  # the store's host is gone (the job is ending): nobody is left to watch
+                return
+            if self.closed.wait(self.beat_s):
+                return
+
+    def close(self):
+        """Stop beating (a process that ends without it just stops: its peers are leaving too)."""
+        self.closed.set()
+        self.beater.join()
 
     def fail(self, what: str, err: Exception | None = None):
         peer = "sampler" if self.side == "trainer" else "trainer"
@@ -174,7 +186,7 @@ class Link:
         rank = proc.rank + (cfg.sampler_ranks if trains else 0)  # global rank
         self.trainers = dist.get_world_size() - cfg.sampler_ranks
         self.wire = Wire(cfg, rank, "trainer" if trains else "sampler", 0 if trains else cfg.sampler_ranks)
-        self.heads, self.pending, self.works = 0, deque(), []
+        self.heads, self.pending, self.works, self.settled_s = 0, deque(), [], 0.0
         self.allowed = self.received = 0  # the last step the samplers may sample; the last step taken from them
 
     def collective(self, fn, what: str):
@@ -219,9 +231,10 @@ class Link:
     def settle(self, what: str = "the last weight broadcast"):
         """Trainer leader: the weight broadcasts posted last have reached the samplers; their buffers are freed.
         Called before the next publish, an evaluation and a checkpoint (no broadcast pending under either)."""
+        t0 = time.time()
         for w in self.works:
             self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), what)
-        self.works = []
+        self.works, self.settled_s = [], self.settled_s + time.time() - t0  # idle: the next take's wait
 
     def post(self, head: dict):
         self.wire.store.set(f"head/{self.heads}", pickle.dumps(head))
@@ -252,10 +265,11 @@ class Link:
         return msg
 
     def take(self, state, step: int) -> tuple[list, dict]:
-        """Trainers: (groups, stats) of RL step `step`, with its staleness (asserted ≤ K) and both sides' times."""
+        """Trainers: (groups, stats) of RL step `step`, with its staleness (asserted ≤ K) and both sides' times (the
+        trainer's wait: for these rollouts, and for the broadcasts settled since the last take)."""
         self.wire.step, t0 = step, time.time()
         msg = self.pending.popleft() if self.pending else self.receive(state)
-        waited, stale = time.time() - t0, step - 1 - msg["version"]
+        waited, stale, self.settled_s = time.time() - t0 + self.settled_s, step - 1 - msg["version"], 0.0
         if msg["step"] != step or not 0 <= stale <= self.K:
             raise SideError(f"trainer rank {self.wire.rank}: rollouts of step {msg['step']} sampled with "
                             f"π_{msg['version']} offered to step {step} (staleness {stale}, max_staleness = {self.K})")

@@ -207,10 +207,11 @@ def test_no_rl_stage_and_a_finished_run_resumed_stop_the_samplers_cleanly(tmp_pa
 def test_an_eval_longer_than_async_timeout_is_no_failure(tmp_path):
     """async_timeout bounds a silent peer (its beat); the groups' op timeout is collective_timeout. With one
     timeout for both, the sampler's send of step s + 1 timed out during the trainers' eval of step s."""
-    out = run(ARGS + ["--sampler_ranks=1", "--max_staleness=1", "--rl_steps=3", "--eval_every=1", "--eval_n=400",
-                      "--eval_k=8", "--async_timeout=1", f"--out_dir={tmp_path / 'k1'}"], 2)
-    evals = [r["time/eval_s"] for r in records(tmp_path / "k1") if "time/eval_s" in r]
-    assert max(evals) > 1, (evals, out[-2000:])  # the premise: an eval outlasted async_timeout
+    out = run(ARGS + ["--sampler_ranks=1", "--max_staleness=1", "--rl_steps=3", "--eval_every=4", "--eval_n=2000",
+                      "--eval_k=8", "--eval_batch=2000", "--async_timeout=2", f"--out_dir={tmp_path / 'k1'}"], 2)
+    evals = {r["step"]: r["time/eval_s"] for r in records(tmp_path / "k1") if "time/eval_s" in r}
+    assert list(evals) == [3, 4, 6] and evals[4] > 2, (evals, out[-2000:])  # step 4's eval outlasted the timeout,
+    # while the sampler sent step 6's rollouts (allowed by π_4's header at K = 1)
 
 
 @pytest.mark.slow
@@ -250,6 +251,8 @@ def test_a_wait_names_a_dead_peer_and_a_hung_one(monkeypatch):
     with pytest.raises(async_rl.SideError, match="alive at its step 7 but has made no progress for "
                                                  "collective_timeout = 2 s"):
         waiter.wait_key("roll/1", "the rollouts of step 1")
+    for w in (waiter, peer):
+        w.close()  # before the store's host goes
 
 
 def test_a_message_goes_through_the_store_in_chunks_and_the_last_reader_deletes_it(monkeypatch):
@@ -263,6 +266,8 @@ def test_a_message_goes_through_the_store_in_chunks_and_the_last_reader_deletes_
         got = w.get("roll/3", "the rollouts of step 3", readers=2)
         assert got["groups"] == msg["groups"] and torch.equal(got["logprobs"], msg["logprobs"])
     assert not a.store.check(["roll/3"]) and not a.store.check(["roll/3/0"])
+    for w in (a, b):
+        w.close()
 
 
 def test_evaluate_settles_the_weight_broadcast_before_it_samples(monkeypatch):

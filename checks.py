@@ -63,6 +63,12 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
      "{system_prompt} needs template = 'chat' (got {template})"),
     (("task", "train_file", "eval_file"), lambda c: c.task not in ("gsm8k", "math") or c.train_file and c.eval_file,
      "{task} reads JSONL files: set train_file and eval_file (got {train_file}, {eval_file})"),
+    (("task", "rg_datasets"), lambda c: c.task != "reasoning_gym" or c.rg_datasets, "{task} needs {rg_datasets}"
+     " naming a dataset and its options (TOML: [rg_datasets.leg_counting]; JSON on the command line)"),
+    (("task", "eval_n", "rg_heldout", "rg_size"), lambda c: c.task != "reasoning_gym" or
+     c.eval_n <= c.rg_heldout < c.rg_size, "{eval_n} must be <= {rg_heldout} (the held-out pool) < {rg_size}"),
+    (("task", "sft_steps"), lambda c: c.task != "reasoning_gym" or c.sft_steps == 0,
+     "{task} has no worked solutions to imitate: {sft_steps} must be 0"),
     (("adv_scale", "overlong_buffer", "kl_in", "beta"), lambda c: c.adv_scale != "maxrl" or c.overlong_buffer == 0
      and not (c.kl_in == "reward" and c.beta > 0), "{adv_scale} divides by the group's mean reward, a success rate:"
      " no negative shaping ({overlong_buffer}, {kl_in} with {beta})"),

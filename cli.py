@@ -3,9 +3,10 @@
   1. its defaults (each written once, in the dataclass), then
   2. --config FILE.toml (keys are field names), then
   3. --key=value, --key value, or a bare --flag for true,
-each value coerced to its field's type (an int where a float is expected is fine). An unknown key, a value of the
-wrong type or one outside the field's CHOICES stops with an error naming the key and the file or the command line
-it came from, and suggests the closest key. A run starts with banner(): its config as aligned `key = value` lines.
+each value coerced to its field's type (an int where a float is expected is fine; a dict field is a TOML table in a
+file, a JSON object on the command line). An unknown key, a value of the wrong type or one outside the field's
+CHOICES stops with an error naming the key and the file or the command line it came from, and suggests the closest
+key. A run starts with banner(): its config as aligned `key = value` lines.
 A user's mistake (a setting, a path, a data line, a checkpoint) raises UserError: run_main prints one line, exits 1.
 
   python train.py --config configs/smoke.toml --rl_steps=8 --beta 0.04 --resume
@@ -49,9 +50,15 @@ def parse_config(cls, argv: list[str]):
             near = difflib.get_close_matches(key, names, n=1)
             raise SystemExit(f"error: unknown config key {key!r} ({where})" + (f"; did you mean {near[0]!r}?" if near
                                                                                else ""))
-        typ = type(getattr(cls, key))
+        typ = type(default(cls, key))
         if isinstance(val, str) and typ is bool and val.lower() in ("true", "1", "yes", "false", "0", "no"):
             val = val.lower() in ("true", "1", "yes")
+        elif isinstance(val, str) and typ is dict:  # a TOML table in a file, a JSON object on the command line
+            try:
+                val = json.loads(val)
+            except ValueError:
+                raise SystemExit(f"error: config key {key!r} ({where}) needs a table: a JSON object on the command "
+                                 f"line, e.g. --{key}='{{\"name\": {{}}}}', got {val!r}") from None
         elif isinstance(val, str) and typ in (int, float):
             with contextlib.suppress(ValueError):
                 val = typ(val)
@@ -61,6 +68,20 @@ def parse_config(cls, argv: list[str]):
         if val not in cls.CHOICES.get(key, (val,)):
             raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {cls.CHOICES[key]}")
     return cls(**kw)
+
+
+def default(cls, name: str):
+    """A field's default, made by its default_factory (a dict field's) if it has one."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def toml_value(v) -> str:
+    """v as TOML: a dict as an inline table, anything else as JSON (TOML's strings, numbers, booleans, arrays)."""
+    if isinstance(v, dict):
+        keys = [k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k, ensure_ascii=False) for k in v]
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in zip(keys, v.values())) + "}"
+    return json.dumps(v, ensure_ascii=False)
 
 
 def run_main(main, *args):
@@ -88,7 +109,7 @@ def config_lines(cfg, every: bool = False) -> list[str]:
             groups.setdefault(group.get(f.name, type(cfg).__name__), []).append(f.name)
     width = max((len(k) for ks in groups.values() for k in ks), default=0)
     return [line for name, ks in groups.items() for line in
-            [f"  # --- {name}"] + [f"  {k:{width}s} = {json.dumps(getattr(cfg, k), ensure_ascii=False)}" for k in ks]]
+            [f"  # --- {name}"] + [f"  {k:{width}s} = {toml_value(getattr(cfg, k))}" for k in ks]]
 
 
 def banner(cfg, objective: str, model, proc) -> str:

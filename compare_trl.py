@@ -1,22 +1,26 @@
-"""TRL beside train.py: the same cold start, reward and settings in TRL's GRPOTrainer, scored by OUR evaluation;
-and a whole-step throughput comparison at fixed shapes on one random checkpoint.
+"""TRL beside train.py: the same starting folder, prompts, reward and settings in TRL's GRPOTrainer, scored by OUR
+evaluation; and a whole-step throughput comparison at fixed shapes on one random checkpoint.
 
 Needs trl and transformers, which the project does not: `pip install trl==1.16.0 transformers==5.24.0`.
-  1. Training (default). The cold-start folder (`--init_from`, a step_N/ of train.py: config.json,
-     model.safetensors, tokenizer.json) loads in transformers' AutoModelForCausalLM and AutoTokenizer (the prompt
-     ids are checked equal to ours, <bos> included). GRPOTrainer gets the closest settings to train.Config:
-     loss_type "dapo" (token-level, normalised by the batch's tokens), ε = eps_low / eps_high, β = beta,
-     num_generations = G and prompts_per_step · G completions per step, max_new_tokens, temperature, top_k / top_p,
-     lr with warmup_steps of linear warmup then cosine to min_lr_ratio · lr over rl_steps, AdamW β1 / β2, weight
-     decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32, no gradient checkpointing.
-     The prompts are train.py's RL stream in order (task.problem("rl", k)); the reward is task.score of the decoded
-     completion (verify.reward against the gold on arithmetic), what train.py rewards. What stays different:
-     TRL has no DAPO dynamic sampling (zero-spread groups train with zero advantage), samples with transformers'
-     generate, and its warmup starts at lr 0.
+  1. Training (default). The folder (`--init_from`: the demo's cold-start step_N/, or a real checkpoint such as
+     SmolLM2-135M-Instruct) loads in transformers' AutoModelForCausalLM and AutoTokenizer. The prompts are
+     train.py's RL stream in order (task.problem("rl", k)): with template = "chat" each is the conversation
+     (system_prompt, question) that TRL renders with the folder's chat template, else our template's text; either
+     way TRL's prompt ids are checked equal to ours. The reward is task.score of the decoded completion, what
+     train.py rewards (verify.reward on arithmetic; on reasoning_gym the dataset's scorer of the final committed
+     answer, binarised; reward = "format_only": tasks.committed_number). GRPOTrainer gets the closest settings to
+     train.Config: loss_type "dapo" (token-level, normalised by the batch's tokens), ε = eps_low / eps_high,
+     β = beta, num_generations = G and prompts_per_step · G completions per step, max_new_tokens, temperature,
+     top_k / top_p, lr with warmup_steps of linear warmup then cosine to min_lr_ratio · lr over rl_steps (or
+     constant), AdamW β1 / β2, weight decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32, no
+     gradient checkpointing. What stays different: TRL has no DAPO dynamic sampling (zero-spread groups train with
+     zero advantage), samples with transformers' generate, and its warmup starts at lr 0.
   2. Training stops after `trl_minutes` of wall-clock (give it the RL stage's time of the run it is compared with,
-     measured side by side under the same load); the model is saved to out_dir/final, loaded with our
-     Transformer.from_pretrained and scored with train.evaluate (train.py's table: same held-out set, greedy
-     pass@1, sampled pass@1 at T, maj@k, length), written to out_dir/eval.json.
+     measured side by side under the same load). train.evaluate (train.py's held-out set and metrics: greedy and
+     sampled pass@1, maj@k, answer rates, length) scores TRL's weights at step 0, every eval_every steps and at the
+     end, each a line of out_dir/metrics.jsonl as train.py writes them (time/wall_s since training began, its
+     evaluations included as in ours), so `plot.py --x wall` draws TRL beside our runs. The model is saved to
+     out_dir/final (our loader reads it for the last evaluation), the summary to out_dir/eval.json.
   3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (bench.py's presets, vocabulary 4096: our
      characters plus fillers), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both), β = 0,
      μ = 1, float32. Each TRL step is followed by one of ours (train.rl_step, no dynamic sampling) in the same
@@ -24,6 +28,7 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
      Prints the median seconds per whole step (sample, reward, loss, backward, AdamW) and their ratio.
 
   python compare_trl.py --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
+  python compare_trl.py --config configs/smollm2-135m-rg.toml --trl_minutes=30 --out_dir=runs/smollm2-rg-trl_s0
   python compare_trl.py --bench=2m,20m --bench_steps=6 --threads=2
 """
 import dataclasses
@@ -87,24 +92,40 @@ def grpo_config(trl, cfg: TrlConfig, out_dir: str, max_steps: int, **over):
         save_strategy="no", log_completions=False, **{"logging_steps": 10, **over})
 
 
+def trl_prompts(cfg: TrlConfig, run: train.Run, hf_tok, problems: list) -> list:
+    """TRL's prompts: with template = "chat" the conversation (system prompt, question), which TRL renders with the
+    folder's chat template; else our template's text. Either way TRL must tokenise them to our prompt ids."""
+    chat = cfg.template == "chat"
+    prompts = [[{"role": "system", "content": cfg.system_prompt}] * bool(cfg.system_prompt) +
+               [{"role": "user", "content": p.prompt}] if chat else render_prompt(p.prompt, cfg.template)
+               for p in problems]
+    for p, prompt in zip(problems[:8], prompts):
+        ids = hf_tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False) if chat else \
+            hf_tok(prompt)["input_ids"]
+        if ids != run.task.prompt_ids(p):
+            raise SystemExit(f"error: transformers' tokenizer of {cfg.init_from} gives {prompt!r} other ids than ours")
+    return prompts
+
+
 def trainer_for(cfg: TrlConfig, run: train.Run, folder: str, out_dir: str, max_steps: int, n_prompts: int,
                 callback, **over):
-    """A GRPOTrainer on the HF copy of `folder`, fed run's RL stream and rewarded by run.task.score."""
+    """A GRPOTrainer on the HF copy of `folder`, fed run's RL stream and rewarded by run.task.score (or, with reward
+    = "format_only", tasks.committed_number: train.shaped_rewards' rule)."""
     transformers, trl, Dataset = import_trl()
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     problems = [run.task.problem("rl", k)[1] for k in range(n_prompts)]
-    texts = [render_prompt(p.prompt, cfg.template) for p in problems]
-    for p, text in zip(problems[:8], texts):  # TRL tokenises the text itself: it must see our prompt ids
-        if hf_tok(text)["input_ids"] != run.task.prompt_ids(p):
-            raise SystemExit(f"error: AutoTokenizer of {folder} encodes {text!r} differently from ours")
+    prompts = trl_prompts(dataclasses.replace(cfg, init_from=folder), run, hf_tok, problems)
 
     def task_score(prompts, completions, completion_ids, pid, **_):
-        return [run.task.score(run.task.text(ids), problems[k]) for ids, k in zip(completion_ids, pid)]
+        texts = [run.task.text(ids) for ids in completion_ids]
+        if cfg.reward == "format_only":
+            return [tasks.committed_number(t) for t in texts]
+        return [run.task.score(t, problems[k]) for t, k in zip(texts, pid)]
 
     return trl.GRPOTrainer(model=model, processing_class=hf_tok, reward_funcs=[task_score],
                            args=grpo_config(trl, cfg, out_dir, max_steps, **over),
-                           train_dataset=Dataset.from_list([{"prompt": t, "pid": k} for k, t in enumerate(texts)]),
+                           train_dataset=Dataset.from_list([{"prompt": t, "pid": k} for k, t in enumerate(prompts)]),
                            callbacks=[callback] if callback else [])
 
 
@@ -130,24 +151,47 @@ def step_clock(transformers):
     return StepClock
 
 
+def log_eval(run: train.Run, weights: dict, step: int, wall_s: float, out_dir: str) -> dict:
+    """train.evaluate of TRL's weights (copied into our model: the same names; a tied lm_head is embed_tokens), as
+    one line of out_dir/metrics.jsonl in train.py's format, so plot.py draws TRL beside our runs."""
+    own = run.model.state_dict()
+    run.model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
+    rec = {"step": step, "stage": "base" if step == 0 else "rl", **train.evaluate(run, step), "time/wall_s": wall_s}
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
 def train_and_evaluate(cfg: TrlConfig) -> dict:
-    """Steps 1-2: TRL from the cold start for trl_minutes, then our held-out evaluation of what it trained."""
+    """Steps 1-2: TRL from init_from for trl_minutes, our held-out evaluation at step 0, every eval_every steps and
+    at the end (out_dir/metrics.jsonl), then of the saved final folder (eval.json)."""
     if not cfg.init_from:
-        raise SystemExit("error: --init_from=DIR (train.py's cold-start step_N/) is required")
+        raise SystemExit("error: --init_from=DIR (a Hugging Face folder, e.g. train.py's step_N/) is required")
     transformers, _, _ = import_trl()
     run = train.build_run(cfg)
-    clock = step_clock(transformers)(cfg.trl_minutes)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w").close()
+    last = [{}]  # the latest evaluation's record
+
+    def evaluate_now():
+        step = len(clock.steps)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            last[0] = log_eval(run, trainer.model.state_dict(), step, time.time() - clock.t_start, cfg.out_dir)
+    clock = step_clock(transformers)(cfg.trl_minutes, evaluate_now)
     trainer = trainer_for(cfg, run, cfg.init_from, cfg.out_dir, cfg.rl_steps, cfg.rl_steps * cfg.prompts_per_step,
                           clock)
+    if cfg.eval_every:  # the base model, as train.py's step 0
+        log_eval(run, trainer.model.state_dict(), 0, 0.0, cfg.out_dir)
     t0 = time.time()
     trainer.train()
     seconds = time.time() - t0
     final = os.path.join(cfg.out_dir, "final")
     trainer.save_model(final)
-    run.model = Transformer.from_pretrained(final, dtype=torch.float32).to(run.proc.device)
-    ev = train.evaluate(run, len(clock.steps))
+    ev = last[0] if last[0].get("step") == len(clock.steps) else log_eval(  # the saved folder, loaded by model.py
+        run, Transformer.from_pretrained(final, dtype=torch.float32).state_dict(), len(clock.steps), seconds,
+        cfg.out_dir)
     out = {"trl_steps": len(clock.steps), "train_seconds": seconds,
-           "median_step_s": statistics.median(clock.steps), **ev}
+           "median_step_s": statistics.median(clock.steps), **{k: v for k, v in ev.items() if k.startswith("eval/")}}
     with open(os.path.join(cfg.out_dir, "eval.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nTRL GRPOTrainer: {len(clock.steps)} steps in {seconds / 60:.2f} min from {cfg.init_from}; "

@@ -1,10 +1,12 @@
 """The held-out evaluation train.py runs (train.evaluate: the same function, not a copy), as a command line.
 
   1. Load the checkpoint folder --ckpt as train.py loads init_from: weights, tokenizer, chat template, stop ids.
-  2. For every held-out problem (eval_file, or the synthetic held-out set of eval_seed), sample one greedy completion
-     and eval_k at `temperature` (with top_k / top_p), eval_batch problems at a time, with a progress line and ETA.
-  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k samples), answer rate,
-     mean completion length, truncation rate (no stop token within max_new_tokens), and those per level.
+  2. For every held-out problem (eval_file, the synthetic held-out set of eval_seed, or the first eval_n of
+     reasoning-gym's held-out pool, split as in training: tasks.py step 5), sample one greedy completion and eval_k
+     at `temperature` (with top_k / top_p), eval_batch problems at a time, with a progress line and ETA.
+  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k samples), answer rate
+     (sampled, greedy), mean completion length, truncation rate (no stop token within max_new_tokens), pass@1 per
+     level and, for a composite reasoning-gym dataset, per member.
   4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem, kind (greedy | sampled),
      prompt (the rendered prompt text, exactly what was tokenized), completion, answer (extracted, or null), gold,
      correct, truncated.
@@ -14,6 +16,7 @@ top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of
   python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 --config configs/qwen2.5-0.5b-gsm8k.toml \
       --eval_n=1319 --eval_k=8 --samples_out samples.jsonl
   torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt DIR --config configs/qwen2.5-0.5b-gsm8k.toml
+  python evaluate.py --ckpt runs/smollm2-rg_s0/step_100 --config configs/smollm2-135m-rg.toml --eval_n=500
 """
 import dataclasses
 import json
@@ -27,7 +30,9 @@ import infra
 import train
 
 ROWS = [("pass@1", "pass@1 greedy"), ("pass@1_sampled", "pass@1 sampled"), ("maj@k", "maj@k"),
-        ("answer_rate", "answer rate"), ("completion_len", "mean length (tokens)"),
+        ("answer_rate", "answer rate"), ("answer_rate_greedy", "answer rate greedy"),
+        ("answered_accuracy", "greedy pass@1 / answered"),
+        ("completion_len", "mean length (tokens)"),
         ("truncated_frac", "truncation rate")]
 
 
@@ -37,14 +42,19 @@ class EvalConfig(train.Config):
     samples_out: str = ""               # write one JSON line per completion here (rank 0)
 
 
-def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float) -> str:
-    """The printed result: a header, one line per metric, then greedy and sampled pass@1 per level."""
+def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float, sources: Counter = Counter()) -> str:
+    """The printed result: a header, one line per metric, then greedy and sampled pass@1 per level and, for a
+    composite reasoning-gym dataset, per member dataset."""
     out = [f"{cfg.init_from}: {sum(levels.values())} {cfg.task} problems, template {cfg.template}, greedy + "
            f"{cfg.eval_k} samples at T = {cfg.temperature} (top_k {cfg.top_k}, top_p {cfg.top_p}), {seconds:.0f} s"]
     out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}" for key, name in ROWS]
     out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
     out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"
             for lv, n in sorted(levels.items())]
+    if sources:
+        out.append(f"  {'dataset':>24s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
+        out += [f"  {name:>24s}{n:10d}{rec[f'eval/pass@1_{name}']:10.3f}{rec[f'eval/pass@1_sampled_{name}']:10.3f}"
+                for name, n in sources.items()]
     return "\n".join(out)
 
 
@@ -61,7 +71,9 @@ def main(cfg: EvalConfig) -> dict:
     samples = [] if cfg.samples_out else None
     rec = train.evaluate(run, 0, samples=samples)
     if run.proc.rank == 0:
-        print(table(cfg, Counter(p.level for p in run.task.heldout), rec, time.time() - t0), flush=True)
+        heldout = run.task.heldout
+        print(table(cfg, Counter(p.level for p in heldout), rec, time.time() - t0,
+                    Counter(p.source for p in heldout if p.source)), flush=True)
         if cfg.samples_out:
             with open(cfg.samples_out, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)

@@ -7,11 +7,16 @@
      every seed evaluated (band).
      --kind train: train/reward and the dynamic-sampling keep rate (train/kept_groups_frac: the share of sampled
      groups with reward spread) per RL step, mean and range over seeds.
-  3. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
+  3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step, evaluations included;
+     0 at the base evaluation), each point at the mean over seeds of the minute its step was reached, so runs of
+     different step costs (SFT vs RL, ours vs TRL: compare_trl.py writes the same metrics.jsonl) compare at equal
+     compute.
+  4. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
 
   pip install matplotlib
   python plot.py runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
   python plot.py runs/demo_s* --kind train --out plots/demo_train.png
+  python plot.py runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall --out plots/smollm2_eval.png
 """
 import argparse
 import json
@@ -55,14 +60,25 @@ def band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[f
     return xs, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
 
 
-def collect(paths: list[str], kind: str) -> dict[str, dict[str, tuple]]:
-    """{group: {key: band}} for the panels of `kind`, groups in the order of their first run on the command line."""
+def on_the_clock(runs: list[list[dict]], kind: str, b: tuple) -> tuple:
+    """A band with its x (steps) replaced by the mean over runs of the wall-clock minute each step was reached."""
+    clocks = [{**curve([x for x in r if any(k.startswith("eval/") for k in x) == (kind == "eval")], "time/wall_s",
+                       kind), **({0: 0.0} if kind == "eval" else {})} for r in runs]  # an eval's own record; base 0
+    if any(x not in c for c in clocks for x in b[0]):
+        raise SystemExit("error: --x wall needs time/wall_s in every record (train.py logs it since the start)")
+    return ([sum(c[x] for c in clocks) / len(clocks) / 60 for x in b[0]], *b[1:])
+
+
+def collect(paths: list[str], kind: str, wall: bool = False) -> dict[str, dict[str, tuple]]:
+    """{group: {key: band}} for the panels of `kind` (x in wall-clock minutes if `wall`), groups in the order of
+    their first run on the command line."""
     groups: dict[str, list[list[dict]]] = {}
     for p in paths:
         groups.setdefault(group_name(p), []).append(read_run(p))
     out = {}
     for name, runs in groups.items():
         bands = {key: band([curve(r, key, kind) for r in runs]) for key, _ in PANELS[kind]}
+        bands = {k: on_the_clock(runs, kind, b) for k, b in bands.items()} if wall else bands
         if any(b[0] for b in bands.values()):  # an SFT-only run has no train curve
             out[name] = {**bands, "seeds": len(runs)}
     return out
@@ -74,12 +90,13 @@ def table(data: dict, kind: str) -> str:
         for key, _ in PANELS[kind]:
             xs, mean, lo, hi = bands[key]
             if xs:
-                lines.append(f"{name:18s} {key:24s} step {xs[-1]:5d}: mean {mean[-1]:.3f} (min {lo[-1]:.3f}, max "
+                at = f"step {xs[-1]:5d}" if isinstance(xs[-1], int) else f"{xs[-1]:6.1f} min"
+                lines.append(f"{name:18s} {key:24s} {at}: mean {mean[-1]:.3f} (min {lo[-1]:.3f}, max "
                              f"{hi[-1]:.3f}; {bands['seeds']} seed{'s' * (bands['seeds'] > 1)})")
     return "\n".join(lines)
 
 
-def draw(data: dict, kind: str, out: str, title: str):
+def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
     try:
         import matplotlib
     except ImportError:
@@ -97,11 +114,12 @@ def draw(data: dict, kind: str, out: str, title: str):
                                                                                           else ""))
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-        if kind == "eval" and "demo" in data and data["demo"][key][0]:
+        if kind == "eval" and "demo" in data and data["demo"][key][0] and not wall:
             ax.axvline(800, color="grey", ls=":", lw=1)
             ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points", fontsize=8,
                         color="grey", ha="center")
-        ax.set_xlabel("training step (SFT, then RL)" if kind == "eval" else "RL step")
+        ax.set_xlabel("wall-clock minutes (evaluations included)" if wall else
+                      "training step (SFT, then RL)" if kind == "eval" else "RL step")
         ax.set_ylabel(label)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -119,13 +137,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--kind", choices=sorted(PANELS), default="eval")
     ap.add_argument("--title", default="", help="a line above the panels")
+    ap.add_argument("--x", choices=["step", "wall"], default="step", help="the x-axis: training step or minutes")
     return ap
 
 
 if __name__ == "__main__":
     args = parser().parse_args()
-    data = collect(args.runs, args.kind)
+    data = collect(args.runs, args.kind, args.x == "wall")
     if not data:
         raise SystemExit(f"error: none of the runs logged {' or '.join(k for k, _ in PANELS[args.kind])}")
     print(table(data, args.kind))
-    draw(data, args.kind, args.out, args.title)
+    draw(data, args.kind, args.out, args.title, args.x == "wall")

@@ -15,7 +15,14 @@
    depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
 4. load_gsm8k / load_math read JSONL files; Task.prompt_text wraps a question in a template (templates.py): plain,
    r1, boxed, or the checkpoint's chat template rendered as transformers' apply_chat_template does.
-5. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
+5. reasoning_gym (pip install reasoning-gym): ONE dataset of rg_size items from eval_seed (rg_datasets: {name:
+   options}, several names a CompositeDataset by their `weight`), split by index: items [0, rg_heldout) are the
+   held-out pool, the rest, less any question the pool holds, the training set (its items come from Random(seed +
+   idx): datasets of adjacent seeds overlap, so none is built twice). The reward is the dataset's own score_answer of
+   the FINAL committed answer (verify.extract_answer), binarised (>= 1: 1, else 0): its partial credit for
+   substrings, gsm_symbolic's first number and countdown's 0.01 / 0.05 floors pay nothing. committed_number: the
+   format-only control's reward (1 for any final answer that is a number, right or wrong).
+6. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
    prompts as token ids, its cold-start targets and the verifier's score of a completion. seed_of(*keys) hashes
    integers into a seed that is the same on any number of ranks.
 
@@ -41,6 +48,8 @@ class Problem:
     gold: str  # the gold final answer
     solution: str  # a worked completion for a supervised cold start, in a format verify.extract_answer reads
     level: int = 0  # difficulty (number of operations); 0 when unknown
+    source: str = ""  # a composite reasoning-gym dataset's member the problem comes from (evaluation rows)
+    entry: dict | None = None  # reasoning_gym: the dataset's item, which its score_answer reads
 
 
 def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_operand: int = 30,
@@ -174,6 +183,48 @@ def load_math(path) -> list[Problem]:
     return problems
 
 
+def reasoning_gym_dataset(specs: dict, seed: int, size: int):
+    """The reasoning-gym dataset of `size` items from `seed`: specs {name: {option: value}} with one name, or a
+    CompositeDataset of several, each drawn by its table's `weight` (default 1)."""
+    try:
+        import reasoning_gym
+        from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
+    except ImportError:
+        raise UserError("task = 'reasoning_gym' needs reasoning-gym: pip install reasoning-gym") from None
+    if bad := [n for n, o in specs.items() if not isinstance(o, dict) or {"seed", "size"} & set(o)]:
+        raise UserError(f"rg_datasets: {bad[0]!r} needs a table of its options, without seed and size (eval_seed "
+                        f"and rg_size set them), got {specs[bad[0]]!r}")
+    opts = {n: {k: v for k, v in o.items() if k != "weight"} for n, o in specs.items()}
+    try:  # a bad name or option is the user's: reasoning-gym says which
+        if len(specs) == 1:
+            (name, o), = opts.items()
+            return reasoning_gym.create_dataset(name, seed=seed, size=size, **o)
+        return CompositeDataset(CompositeConfig(size=size, seed=seed, datasets=[
+            DatasetSpec(n, float(specs[n].get("weight", 1.0)), o) for n, o in opts.items()]))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise UserError(f"rg_datasets = {specs!r}: {e}") from None
+
+
+def rg_problem(item: dict, composite: bool) -> Problem:
+    return Problem(prompt=item["question"], gold=str(item["answer"]), solution="", entry=item,
+                   source=item["metadata"]["source_dataset"] if composite else "")
+
+
+def rg_reward(dataset, completion: str, p: Problem) -> float:
+    """1.0 iff the dataset's score_answer gives the final committed answer full marks (step 5 of the docstring)."""
+    answer = extract_answer(completion)
+    try:
+        return float(answer is not None and dataset.score_answer(answer, p.entry) >= 1)
+    except Exception:  # a scorer that trips over a model's odd answer (its own parsing) scores it 0, as a wrong one
+        return 0.0
+
+
+def committed_number(completion: str) -> float:
+    """1.0 iff the completion's final committed answer is a number, right or wrong: the format-only control."""
+    answer = extract_answer(completion)
+    return float(answer is not None and re.fullmatch(r"-?\d[\d,]*(\.\d+)?", answer) is not None)
+
+
 def seed_of(*keys) -> int:
     """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any rank count."""
     h = 0x9E3779B97F4A7C15
@@ -202,11 +253,20 @@ class Task:
         if cfg.task in ("gsm8k", "math"):
             load = load_gsm8k if cfg.task == "gsm8k" else load_math
             self.train, self.heldout = load(cfg.train_file), load(cfg.eval_file)[:cfg.eval_n]
+        elif cfg.task == "reasoning_gym":  # one dataset split by index (step 5 of the module docstring)
+            self.rg = reasoning_gym_dataset(cfg.rg_datasets, cfg.eval_seed, cfg.rg_size)
+            items = [rg_problem(self.rg[i], len(cfg.rg_datasets) > 1) for i in range(cfg.rg_size)]
+            pool = {p.prompt for p in items[:cfg.rg_heldout]}
+            self.heldout = items[:cfg.eval_n]
+            self.train = [p for p in items[cfg.rg_heldout:] if p.prompt not in pool]
+            if not self.train:
+                raise UserError(f"rg_datasets: every item after the held-out pool repeats one of its questions: "
+                                f"raise rg_size = {cfg.rg_size} or use a task with more questions")
         elif cfg.task in ("arithmetic", "countdown"):
             self.heldout = [self.synthetic(cfg.eval_seed, i, cfg.eval_min_ops, cfg.eval_max_ops)
                             for i in range(cfg.eval_n)]
         else:
-            raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k or math")
+            raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k, math, reasoning_gym")
         self.heldout_prompts = {p.prompt for p in self.heldout}
 
     def synthetic(self, seed, i, lo, hi) -> Problem:
@@ -218,7 +278,7 @@ class Task:
     def problem(self, stage: str, k: int) -> tuple[int, Problem]:
         """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts never appear."""
         cfg = self.cfg
-        if cfg.task in ("gsm8k", "math"):
+        if cfg.task in ("gsm8k", "math", "reasoning_gym"):
             epoch, j = divmod(k, len(self.train))
             order = list(range(len(self.train)))
             random.Random(seed_of(cfg.seed, epoch)).shuffle(order)
@@ -272,4 +332,6 @@ class Task:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def score(self, text: str, p: Problem) -> float:
+        if self.cfg.task == "reasoning_gym":
+            return rg_reward(self.rg, text, p)
         return countdown_reward(text, p) if self.cfg.task == "countdown" else verify.reward(text, p.gold)

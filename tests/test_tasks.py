@@ -1,9 +1,11 @@
 """tasks.py: generators checked by independent evaluators, countdown checker table, loaders, templates, chat
 templates against hand-written renderings and transformers' apply_chat_template."""
+import importlib.util
 import json
 import os
 import random
 import re
+import sys
 import time
 from datetime import datetime
 from fractions import Fraction
@@ -11,8 +13,8 @@ from fractions import Fraction
 import pytest
 from conftest import QWEN_SYSTEM
 
-from tasks import (CHARS, Problem, Task, arithmetic, countdown, countdown_check, countdown_reward, flawed_solution,
-                   load_gsm8k, load_math)
+from tasks import (CHARS, Problem, Task, arithmetic, committed_number, countdown, countdown_check, countdown_reward,
+                   flawed_solution, load_gsm8k, load_math)
 from templates import read_tokenizer_config
 from verify import reward, step_rewards
 
@@ -335,3 +337,93 @@ def test_chat_template_without_one_names_the_folder(hf_folder, gsm8k_file):
         Task(train.Config(template="chat"), build_char_tokenizer(CHARS), [2])
     with pytest.raises(SystemExit, match="system_prompt needs template = 'chat'"):
         Task(train.Config(template="r1", system_prompt="Be brief."), build_char_tokenizer(CHARS), [2])
+
+
+# ------------------------------------------------------------------------------------------------------ reasoning-gym
+needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="pip install reasoning-gym")
+ADDITIONS = {"basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+"],
+                                      allow_parentheses=False, allow_negation=False)}  # 121 distinct questions
+
+
+def rg_task(datasets=ADDITIONS, **kw) -> Task:
+    import train
+    from model import build_char_tokenizer
+    cfg = train.Config(task="reasoning_gym", rg_datasets=datasets, sft_steps=0, **kw)
+    return Task(cfg, build_char_tokenizer(CHARS), [2])  # rewards and splits only: no prompt is tokenized
+
+
+@needs_rg
+def test_reasoning_gym_train_and_heldout_share_no_question():
+    """One dataset split by index; 1-digit additions repeat questions, so the training part must drop the pool's."""
+    import reasoning_gym
+    task = rg_task(rg_size=600, rg_heldout=200, eval_n=150)
+    items = [reasoning_gym.create_dataset("basic_arithmetic", seed=task.cfg.eval_seed, size=600,
+                                          **ADDITIONS["basic_arithmetic"])[i] for i in range(600)]
+    pool = {x["question"] for x in items[:200]}
+    assert [p.prompt for p in task.heldout] == [x["question"] for x in items[:150]]
+    assert [p.gold for p in task.heldout] == [x["answer"] for x in items[:150]]
+    assert sum(x["question"] in pool for x in items[200:]) > 100  # the raw split overlaps ...
+    assert [p.prompt for p in task.train] == [x["question"] for x in items[200:] if x["question"] not in pool]
+    stream = {task.problem("rl", k)[1].prompt for k in range(3 * len(task.train))}  # ... the training stream never
+    assert stream == {p.prompt for p in task.train} and not stream & pool
+    smaller = rg_task(rg_size=600, rg_heldout=200, eval_n=20)  # eval_n picks from the pool: training stays put
+    assert [p.prompt for p in smaller.train] == [p.prompt for p in task.train]
+    other = rg_task(rg_size=600, rg_heldout=200, eval_n=150, seed=1)  # a run's seed orders training, no more
+    assert [other.problem("rl", k)[1].prompt for k in range(20)] != [task.problem("rl", k)[1].prompt
+                                                                      for k in range(20)]
+
+
+@needs_rg
+def test_reasoning_gym_reward_is_the_scorer_of_the_final_answer_binarised():
+    gsm = rg_task({"gsm_symbolic": {}}, rg_size=20, rg_heldout=10, eval_n=10)
+    p = gsm.heldout[0]
+    gold, wrong = p.gold, str(int(p.gold) + 1)
+    first_right = f"My first guess is {gold}, but recomputing it, the answer is {wrong}."
+    assert gsm.rg.score_answer(first_right, p.entry) == 1.0  # the pitfall: gsm_symbolic scores the FIRST number
+    assert gsm.score(first_right, p) == 0.0 and gsm.score(f"First {wrong}. Recomputing: the answer is {gold}.", p) == 1
+    add = rg_task(rg_size=20, rg_heldout=10, eval_n=10)
+    q = next(x for x in add.heldout if len(x.gold) == 1)
+    assert add.rg.score_answer(q.gold * 2, q.entry) == 0.5  # substring partial credit ("4" inside "44") ...
+    assert add.score(f"The answer is {q.gold * 2}.", q) == 0.0  # ... pays nothing here
+    assert add.score(f"The answer is {q.gold}.", q) == 1.0 and add.score(q.gold, q) == 0.0  # nothing committed
+    cd = rg_task({"countdown": {}}, rg_size=20, rg_heldout=10, eval_n=10)
+    c = cd.heldout[0]
+    assert cd.rg.score_answer("1 + 2", c.entry) in (0.01, 0.05)
+    assert cd.score("The answer is 1 + 2.", c) == 0.0  # the floors are 0
+
+
+@pytest.mark.parametrize("completion,expected", [("The answer is 12.", 1.0), ("The answer is -4.", 1.0),
+                                                 ("The answer is 1,000.", 1.0), ("The answer is 2.5", 1.0),
+                                                 ("The answer is 24 legs.", 0.0), ("12", 0.0), ("no idea", 0.0),
+                                                 ("\\boxed{7}", 1.0), ("The answer is x.", 0.0)])
+def test_committed_number_is_the_format_only_reward(completion, expected):
+    assert committed_number(completion) == expected
+
+
+@needs_rg
+def test_reasoning_gym_composite_routes_each_problem_to_its_scorer():
+    task = rg_task({"basic_arithmetic": {**ADDITIONS["basic_arithmetic"], "weight": 3}, "leg_counting": {}},
+                   rg_size=200, rg_heldout=100, eval_n=100)
+    sources = [p.source for p in task.heldout]
+    assert set(sources) == {"basic_arithmetic", "leg_counting"} and sources.count("basic_arithmetic") > 50
+    for p in task.heldout[:20]:
+        assert task.score(f"The answer is {p.gold}.", p) == 1.0 and task.score(f"The answer is {p.gold}0.", p) == 0
+    assert all(p.source == "" for p in rg_task(rg_size=20, rg_heldout=10, eval_n=10).heldout)  # one dataset: none
+
+
+@needs_rg
+@pytest.mark.parametrize("datasets,message", [({"no_such_task": {}}, "no_such_task"),
+                                              ({"leg_counting": {"min_animals": 0}}, "min_animals"),
+                                              ({"leg_counting": {"seed": 3}}, "without seed and size"),
+                                              ({"leg_counting": 3}, "needs a table of its options")])
+def test_reasoning_gym_bad_datasets_are_one_line_errors(datasets, message):
+    from cli import UserError
+    with pytest.raises(UserError, match=message):
+        rg_task(datasets, rg_size=20, rg_heldout=10, eval_n=10)
+
+
+def test_reasoning_gym_missing_names_the_pip_command(monkeypatch):
+    from cli import UserError
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym now raises ImportError
+    with pytest.raises(UserError, match="pip install reasoning-gym"):
+        rg_task(rg_size=20, rg_heldout=10, eval_n=10)

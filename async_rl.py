@@ -1,44 +1,30 @@
 """Asynchronous RL inside one torchrun world (prime-rl's split; no Ray, no servers): the first k ranks only sample,
 the other ranks train (FSDP2 over their own group), and the samplers run at most K policy versions ahead.
-
-  python -m torch.distributed.run --standalone --nproc_per_node=2 train.py --config configs/smoke.toml \
-      --sampler_ranks=1 --max_staleness=1                                   # CPU: 1 sampler + 1 trainer (gloo)
-  torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml \
-      --sampler_ranks=2 --max_staleness=1                                   # 2 GPUs sample, 6 train
-  torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \
-      --config ... --sampler_ranks=4 --max_staleness=2                      # two nodes: global ranks 0-3 sample
+Commands, and how to choose k: the README's "Asynchronous RL"; measurements: RESULTS.md §10.
 
 Versions. π_v is the policy after optimizer step v; v0 is the RL stage's start (the cold start's last step). The
-rollouts of RL step s are sampled with π_v, v = max(v0, s − 1 − K) exactly, so their staleness, the optimizer steps
-between the sampling weights and π_old (the weights step s starts from), is s − 1 − v = min(K, s − 1 − v0) ≤ K.
-K = 0 is the synchronous loop: the same weights, per-row seeds and numbers. The version is a function of s, never
-of timing: a run is reproducible and resumes exactly. The trainer asserts s − 1 − v ≤ K on every batch it takes.
-
-  1. At the RL stage's start the trainer leader (global rank k) posts a header in the store (the TrainState:
-     prompt cursor and pass-rate memory; the version; the steps allowed) and broadcasts π_v0 to the samplers.
-  2. The samplers sample each allowed step with DAPO's dynamic sampling and refill over the sampler ranks
-     (train.dynamic_sampling, the function the colocated loop calls); the sampler leader (rank 0) puts (step,
-     version, groups, stats, TrainState after it) in the store, pickled in chunks; every trainer reads it there.
-  3. After optimizer step s the trainers gather the weights once (infra.sampling) and the leader posts the header
-     (version s, steps allowed up to s + 1 + K), then the weights as flat buckets of BUCKET_BYTES, one asynchronous
-     broadcast each over a group of its own (the leader and the samplers). A sampler takes the next header once it
-     has sampled every step the last one allowed (those need the weights it holds), then joins its broadcasts.
-  4. The loss (objective() prints it): the sampler's log-probs are the behaviour policy μ = π_v; the PPO ratio is
-     against the trainer's recomputed π_old, and tis reweights each token by w = min(π_old / μ, C) (decoupled PPO,
-     Hilton et al. 2022; tis = "auto" is "token" / truncate for K > 0: an unclipped IS weight destabilised at K = 3
-     in tinker-cookbook, a clipped one did not). train/mismatch_kl logs KL(μ‖π_old) on the sampled tokens (k3).
-Why no wait can close a cycle: rollouts go through the store, so a sampler never waits for a trainer except for a
-header, and every header is posted before its broadcast starts. A pending broadcast therefore completes once the
-samplers finish the step they are sampling, whatever the trainers do meanwhile (evaluate, save, a CUDA graph's
-synchronize), and the only collective between the sides is that one broadcast (one communicator, one order: safe
-under CUDA_DEVICE_MAX_CONNECTIONS=1). The leader still settles it (waits, then frees its buffers) before it builds
-the next, evaluates or saves. Every wait across the sides is bounded: each process beats a counter and its progress
-(step, collectives done) into the store from a thread; a waiter raises, naming both sides' ranks and steps, when the
-peer's beat stops for async_timeout seconds (dead), or its progress stops for collective_timeout seconds (hung;
-also the async groups' op timeout, so an eval or a checkpoint longer than async_timeout is no failure).
-Checkpoints at step s: the trainers first take the rollouts of steps s + 1 .. s + K (sampled with π_≤s−1, so
-already under way) and save them in trainer_state.pt with the samplers' TrainState after step s + K; a resume loads
-them, sends π_s and allows step s + K + 1. Nothing is re-sampled, so a resumed run equals the uninterrupted one.
+rollouts of RL step s are sampled with π_v, v = max(v0, s − 1 − K) exactly, so their staleness (optimizer steps
+between the sampling weights and π_old) is s − 1 − v ≤ K, asserted on every batch. K = 0 is the synchronous loop
+(same weights, seeds, numbers). The version is a function of s, never of timing: runs reproduce and resume exactly.
+  1. At the RL stage's start the trainer leader (global rank k) posts a header in the store (the TrainState, the
+     version, the steps allowed) and broadcasts π_v0 to the samplers.
+  2. The samplers sample each allowed step with dynamic sampling over the sampler ranks (train.dynamic_sampling);
+     the sampler leader (rank 0) puts (step, version, groups, stats, TrainState after it) in the store, pickled in
+     chunks; every trainer reads it there.
+  3. After optimizer step s the trainers gather the weights (infra.sampling); the leader posts the header (version
+     s, steps allowed up to s + 1 + K), then broadcasts the weights in BUCKET_BYTES buckets over a group of its own
+     (the leader and the samplers). A sampler takes the next header once it has sampled every step allowed so far.
+  4. The loss: the sampler's log-probs are μ = π_v; the PPO ratio is against the trainer's recomputed π_old, and
+     tis reweights each token by min(π_old / μ, C) (decoupled PPO, Hilton et al. 2022; tis = "auto" truncates at
+     K > 0: an unclipped weight destabilised at K = 3 in tinker-cookbook). train/mismatch_kl: k3 of KL(μ‖π_old).
+No wait can close a cycle: a sampler waits for a trainer only for a header, posted before its broadcast starts, so
+a pending broadcast completes once the samplers finish their current step, whatever the trainers do (evaluate,
+save); that broadcast is the only collective between the sides (one order: safe under CUDA_DEVICE_MAX_CONNECTIONS=1).
+The leader settles it (waits, frees its buffers) before the next one, an eval or a save. Each process beats (step,
+collectives done) into the store from a thread; a waiter raises, naming both sides, when the peer's beat stops for
+async_timeout (dead) or its progress for collective_timeout (hung; also the groups' op timeout).
+Checkpoints at step s hold the rollouts of steps s + 1 .. s + K (already under way) and the samplers' TrainState
+after step s + K; a resume sends π_s and allows step s + K + 1. Nothing is re-sampled: resumed equals uninterrupted.
 """
 import dataclasses
 import io
@@ -132,15 +118,15 @@ class Wire:
                         f"{self.peer})" + (f": {err}" if err else "")) from err
 
     def wait_key(self, key: str, what: str) -> bytes:
-        """The store's value at key once the other side sets it. Polls (check, then a sleep growing to 10 ms; a
-        timed store.wait logs a warning each time it expires) and raises once the peer's beat stops for
-        async_timeout or its progress for collective_timeout."""
+        """The store's value at key once the other side sets it, polled (a timed store.wait warns each time it
+        expires); raises once the peer's beat stops for async_timeout or its progress for collective_timeout."""
         seen, nap = {"beat": (None, time.time()), "ticks": (None, time.time())}, 1e-4
         while True:
             try:
                 if self.store.check([key]):
                     return self.store.get(key)
-                alive = self.store.check([f"alive/{self.peer}"]) and self.store.get(f"alive/{self.peer}").decode().split()
+                beat_key = f"alive/{self.peer}"
+                alive = self.store.check([beat_key]) and self.store.get(beat_key).decode().split()
             except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) is gone
                 self.fail(f"the store went away while waiting for {what}", e)
             beat, step, ticks = alive or (None, "?", None)
@@ -252,15 +238,10 @@ class Link:
         return head
 
     # ----------------------------------------------------------------------------------------- rollouts → trainers
-    def send(self, msg: dict):
-        """Sampler leader: one step's rollouts into the store (no wait for the trainers: see the docstring)."""
-        self.wire.put(f"roll/{msg['step']}", msg)
-
     def receive(self, state) -> dict:
         """Trainers: the next step's rollouts; the samplers' TrainState after them becomes ours (it is checkpointed)."""
-        step = self.received + 1
-        msg = self.wire.get(f"roll/{step}", f"the rollouts of step {step}", self.trainers)
-        self.received = step
+        self.received += 1
+        msg = self.wire.get(f"roll/{self.received}", f"the rollouts of step {self.received}", self.trainers)
         state.rl_cursor, state.pass_history = msg["state"]["rl_cursor"], msg["state"]["pass_history"]
         return msg
 
@@ -278,16 +259,15 @@ class Link:
                                "time/sample_tok_per_s": msg["tokens"] / max(msg["sample_s"], 1e-9)}
 
     def checkpoint(self, state, step: int) -> list[dict]:
-        """Trainers, at a checkpoint of step `step`: the rollouts of steps step + 1 .. step + K, taken now (state
-        follows them) so a resume starts the samplers after them; plain dicts, not train.Group, in the file."""
+        """Trainers, at step `step`'s checkpoint: the rollouts of steps step + 1 .. step + K, taken now (state follows
+        them; a resume starts the samplers after them), as plain dicts."""
         self.settle()
         while self.received < min(step + self.K, self.allowed):
             self.pending.append(self.receive(state))
         return [dict(m, groups=[vars(g) for g in m["groups"]]) for m in self.pending]
 
     def stop(self, state):
-        """Trainers: take what the samplers were allowed and not yet given (a time-limited stage ends early), then stop
-        them. The samplers leave their loop; every rank then meets in infra.teardown."""
+        """Trainers: take the allowed rollouts not yet taken (a clocked stage ends early), then stop the samplers."""
         while self.received < self.allowed:
             self.receive(state)
         if self.proc.rank == 0:
@@ -296,15 +276,13 @@ class Link:
 
 
 def sampler_loop(run, state, draw) -> dict:
-    """A sampler rank's whole run: wait for the RL stage, then sample every allowed step with the newest weights it
-    was sent (draw = train.dynamic_sampling) until the trainers say stop. Between two steps' sampling it sends,
-    waits for a header and receives weights: that time is the next message's wait_s (the sampler's idle time)."""
+    """A sampler rank's run: sample every allowed step with the newest weights it was sent (draw =
+    train.dynamic_sampling) until told to stop. Its idle time (wait_s): everything between two steps' sampling."""
     link = run.link
     head = link.receive_weights(run.model)
     if head.get("stop"):  # no RL stage (rl_steps = 0, or a resume of a finished run): nothing to sample
         return {}
-    for k, v in head["state"].items():
-        setattr(state, k, v)
+    vars(state).update(head["state"])
     nxt, idle_from = head["next"], time.time()
     while not head.get("stop"):
         while nxt <= head["allowed"]:
@@ -315,8 +293,8 @@ def sampler_loop(run, state, draw) -> dict:
                    "tokens": sum(len(c) for g in groups for c in g.comps),
                    "state": {"rl_cursor": state.rl_cursor, "pass_history": state.pass_history}}
             idle_from = time.time()
-            if run.proc.rank == 0:
-                link.send(msg)
+            if run.proc.rank == 0:  # into the store: no wait for the trainers (see the docstring)
+                link.wire.put(f"roll/{nxt}", msg)
             nxt += 1
         head = link.receive_weights(run.model)
     return {}

@@ -57,6 +57,9 @@ def test_every_readme_command_parses_and_passes_the_checks():
             assert all(f'add_argument("{a}"' in source for a in args if a.startswith("--")), words
         elif script == "oracle.py":
             assert args == [], words  # oracle.py takes no arguments
+        elif script == "python -m tools.gguf_to_hf":  # the converter: each flag is one of its add_argument calls
+            source = open(os.path.join(ROOT, "tools", "gguf_to_hf.py")).read()
+            assert args and all(f'add_argument("{a}"' in source for a in args if a.startswith("--")), words
         else:
             assert words == ["python", "-m", "pytest", "-q"], words  # the test command, as .ci/run runs it
     assert "python3 -m pytest -q" in open(os.path.join(ROOT, ".ci", "run")).read()

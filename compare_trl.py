@@ -110,7 +110,7 @@ def trl_prompts(cfg: TrlConfig, run: train.Run, hf_tok, problems: list) -> list:
 def trainer_for(cfg: TrlConfig, run: train.Run, folder: str, out_dir: str, max_steps: int, n_prompts: int,
                 callback, **over):
     """A GRPOTrainer on the HF copy of `folder`, fed run's RL stream and rewarded by run.task.score (or, with reward
-    = "format_only", tasks.committed_number: train.shaped_rewards' rule)."""
+    = "format_only", train.outcome_rewards, the rule train.py trains on)."""
     transformers, trl, Dataset = import_trl()
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -119,9 +119,7 @@ def trainer_for(cfg: TrlConfig, run: train.Run, folder: str, out_dir: str, max_s
 
     def task_score(prompts, completions, completion_ids, pid, **_):
         texts = [run.task.text(ids) for ids in completion_ids]
-        if cfg.reward == "format_only":
-            return [tasks.committed_number(t) for t in texts]
-        return [run.task.score(t, problems[k]) for t, k in zip(texts, pid)]
+        return train.outcome_rewards(cfg, texts, [run.task.score(t, problems[k]) for t, k in zip(texts, pid)])
 
     return trl.GRPOTrainer(model=model, processing_class=hf_tok, reward_funcs=[task_score],
                            args=grpo_config(trl, cfg, out_dir, max_steps, **over),

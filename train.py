@@ -294,9 +294,13 @@ def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     reward = "format_only": 1 for any committed number in place of accuracy (g.scores stay it)."""
     pen = credit.overlong_penalty(torch.tensor([len(c) for c in g.comps]), cfg.max_new_tokens, cfg.overlong_buffer) \
         if cfg.overlong_buffer else torch.zeros(len(g.comps))  # (+ 0.0 and + 0 · f leave a reward bit-exact)
-    base = [tasks.committed_number(t) for t in g.texts] if cfg.reward == "format_only" else g.scores
     return [s + cfg.format_weight * (verify.format_reward(t) if cfg.format_weight else 0) + p
-            for s, t, p in zip(base, g.texts, pen.tolist())]
+            for s, t, p in zip(outcome_rewards(cfg, g.texts, g.scores), g.texts, pen.tolist())]
+
+
+def outcome_rewards(cfg: Config, texts: list[str], scores: list[float]) -> list[float]:
+    """The verifier's scores, or with reward = "format_only" 1 for any committed number (the control)."""
+    return [tasks.committed_number(t) for t in texts] if cfg.reward == "format_only" else scores
 
 
 def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:

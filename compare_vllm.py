@@ -13,6 +13,7 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
      greedy tokens agree (random weights have near-ties: float32 sums in another order may flip one).
 
   python compare_vllm.py --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
+  python compare_vllm.py --vllm_python ~/vllm/bin/python --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
 """
 import argparse
 import json
@@ -27,15 +28,16 @@ import torch
 from model import Transformer
 
 
-def ours(folder, prompts, new, calls):
-    """{mode: fastest seconds per call}, and the eager call's tokens."""
+def ours(folder, prompts, new, calls, temps):
+    """{mode: fastest seconds per call}, and the eager greedy call's tokens."""
     from rollout import generate
     model = Transformer.from_pretrained(folder).eval()
     best, toks = {}, None
-    for static in (False, True):
-        run = lambda: generate(model, prompts, 1, new, temperature=0.0, seed=0, static=static)  # noqa: E731
+    for static, t in [(s, t) for s in (False, True) for t in temps]:
+        run = lambda: generate(model, prompts, 1, new, temperature=t, seed=0, static=static)  # noqa: E731
         first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
-        toks, name = toks or first, "ours compiled" if static else "ours eager"
+        toks = toks or first
+        name = ("ours compiled" if static else "ours eager") + ("" if t == 0 else f" T={t:g}")
         for _ in range(calls):
             t0 = time.perf_counter()
             run()
@@ -43,26 +45,29 @@ def ours(folder, prompts, new, calls):
     return best, toks
 
 
-def vllm(folder, prompts, new, calls):
+def vllm(folder, prompts, new, calls, temps):
     from vllm import LLM, SamplingParams
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new, ignore_eos=True, detokenize=False)
-    run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
-    toks = [list(o.outputs[0].token_ids) for o in run()]  # warm-up (after the compile in LLM())
-    best = float("inf")
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - t0)
-    assert all(len(o.outputs[0].token_ids) == new for o in out)
-    return {"vllm": best}, toks
+    best, toks = {}, None
+    for t in temps:
+        params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True, detokenize=False)
+        run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa
+        first = [list(o.outputs[0].token_ids) for o in run()]  # warm-up (after the compile in LLM())
+        toks, name = toks or first, "vllm" + ("" if t == 0 else f" T={t:g}")
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            out = run()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        assert all(len(o.outputs[0].token_ids) == new for o in out)
+    return best, toks
 
 
 def child(a):
     torch.set_num_threads(a.threads)
-    prompts = json.load(open(os.path.join(a.folder, "prompts.json")))
-    best, toks = (vllm if a.side == "vllm" else ours)(a.folder, prompts, a.new, a.calls)
+    prompts = json.load(open(a.prompts))
+    temps = [float(t) for t in a.temperatures.split(",")]
+    best, toks = (vllm if a.side == "vllm" else ours)(a.folder, prompts, a.new, a.calls, temps)
     print("RESULT " + json.dumps({"best": best, "tokens": toks}))
 
 
@@ -70,6 +75,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vllm_python", required=False, default="", help="the python of vLLM's own venv")
     p.add_argument("--sizes", default="2m,20m")
+    p.add_argument("--ckpt", default="", help="a real Hugging Face folder instead of --sizes (read, not written)")
+    p.add_argument("--temperatures", default="0", help="e.g. 0,1: greedy, then sampling at T = 1")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
@@ -78,6 +85,7 @@ def main():
     p.add_argument("--calls", type=int, default=2, help="timed calls per process")
     p.add_argument("--side", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", default="", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.side:
         return child(a)
@@ -87,16 +95,22 @@ def main():
                VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}", OMP_NUM_THREADS=str(a.threads))
     from compare_trl import PRESETS, random_checkpoint  # here, not at the top: vLLM's venv runs only the children
     report = {}
-    for size in a.sizes.split(","):
-        with tempfile.TemporaryDirectory() as folder:
-            n = sum(t.numel() for t in random_checkpoint(folder, PRESETS[size]).parameters())
-            prompts = torch.randint(3, 4096, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
-            json.dump(prompts.tolist(), open(os.path.join(folder, "prompts.json"), "w"))
+    for size in [a.ckpt] if a.ckpt else a.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            if a.ckpt:
+                folder, cfg = a.ckpt, json.load(open(os.path.join(a.ckpt, "config.json")))
+                n, vocab = sum(t.numel() for t in Transformer.from_pretrained(a.ckpt).parameters()), cfg["vocab_size"]
+            else:
+                folder, vocab = tmp, 4096
+                n = sum(t.numel() for t in random_checkpoint(folder, PRESETS[size]).parameters())
+            prompts = torch.randint(3, vocab, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
+            json.dump(prompts.tolist(), open(os.path.join(tmp, "prompts.json"), "w"))
             best, toks = {}, {}
             for _ in range(a.rounds):
                 for side, py in (("ours", sys.executable), ("vllm", a.vllm_python)):
                     cmd = [py, os.path.abspath(__file__), f"--side={side}", f"--folder={folder}", f"--new={a.new}",
-                           f"--calls={a.calls}", f"--threads={a.threads}"]
+                           f"--calls={a.calls}", f"--threads={a.threads}", f"--prompts={tmp}/prompts.json",
+                           f"--temperatures={a.temperatures}"]
                     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:
@@ -107,10 +121,11 @@ def main():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
         same = sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
-        print(f"{size} ({n / 1e6:.2f}M params), {a.rows} rows x {a.new} tokens greedy, {a.threads} threads: " +
-              ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) + "; ours / vLLM: " +
-              ", ".join(f"{k[5:]} {v / tps['vllm']:.2f}x" for k, v in tps.items() if k != "vllm") +
-              f"; rows with the same greedy tokens {same:.0%}")
+        ref = lambda k: tps["vllm" + k[k.index(" T="):] if " T=" in k else "vllm"]  # noqa: E731  vLLM at that T
+        print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), {a.rows} rows x {a.new} tokens, "
+              f"{a.threads} threads: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) +
+              "; ours / vLLM: " + ", ".join(f"{k[5:]} {v / ref(k):.2f}x" for k, v in tps.items() if k[:4] != "vllm")
+              + f"; rows with the same greedy tokens {same:.0%}")
         report[size] = {"tok_s": tps, "same_rows": same, "params": n}
     print(json.dumps(report))
 

@@ -22,7 +22,7 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
      evaluations included as in ours), so `plot.py --x wall` draws TRL beside our runs. The model is saved to
      out_dir/final (our loader reads it for the last evaluation), the summary to out_dir/eval.json.
   3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (bench.py's presets, vocabulary 4096: our
-     characters plus fillers), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both), β = 0,
+     characters plus fillers; or a model folder, on the config's task and template), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both), β = 0,
      μ = 1, float32. Each TRL step is followed by one of ours (train.rl_step, no dynamic sampling) in the same
      process, so the two take turns through any slow spell of the machine; the first step of each is warm-up.
      Prints the median seconds per whole step (sample, reward, loss, backward, AdamW) and their ratio.
@@ -30,6 +30,7 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
   python compare_trl.py --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
   python compare_trl.py --config configs/smollm2-135m-rg.toml --trl_minutes=30 --out_dir=runs/smollm2-rg-trl_s0
   python compare_trl.py --bench=2m,20m --bench_steps=6 --threads=2
+  python compare_trl.py --config configs/smollm2-135m-rg.toml --bench=checkpoints/SmolLM2-135M-Instruct --threads=2
 """
 import dataclasses
 import json
@@ -58,7 +59,7 @@ PRESETS = {  # bench.py's
 @dataclass
 class TrlConfig(train.Config):
     trl_minutes: float = 0.0            # stop TRL's training after this much wall-clock (0: run rl_steps)
-    bench: str = ""                     # comma-separated PRESETS: time whole steps instead of training
+    bench: str = ""                     # comma-separated PRESETS or model folders: time whole steps, no training
     bench_steps: int = 6                # timed steps per side (after one warm-up step each)
 
     CHOICES: ClassVar[dict] = train.Config.CHOICES
@@ -216,11 +217,13 @@ def bench(cfg: TrlConfig) -> dict:
     transformers, _, _ = import_trl()
     out = {}
     for size in cfg.bench.split(","):
-        if size not in PRESETS:
-            raise SystemExit(f"error: unknown bench size {size!r}; choose from {', '.join(PRESETS)}")
+        if size not in PRESETS and not os.path.isfile(os.path.join(size, "config.json")):
+            raise SystemExit(f"error: --bench {size!r} is neither a size ({', '.join(PRESETS)}) nor a model folder")
         with tempfile.TemporaryDirectory() as tmp:
-            random_checkpoint(tmp, PRESETS[size])
-            c = dataclasses.replace(cfg, init_from=tmp, prompts_per_step=4, group_size=8, max_new_tokens=64,
+            folder = tmp if size in PRESETS else size  # a real folder: the config's task and template on it
+            if size in PRESETS:
+                random_checkpoint(tmp, PRESETS[size])
+            c = dataclasses.replace(cfg, init_from=folder, prompts_per_step=4, group_size=8, max_new_tokens=64,
                                     beta=0.0, ppo_epochs=1, dynamic_sampling=False, out_dir=tmp)
             run = train.build_run(c)
             run.task.stop_ids = []  # every row decodes all 64 tokens, as TRL does with min_new_tokens
@@ -234,7 +237,7 @@ def bench(cfg: TrlConfig) -> dict:
 
             clock = step_clock(transformers)(0.0, our_step)
             n = cfg.bench_steps + 1
-            trainer = trainer_for(c, run, tmp, os.path.join(tmp, "trl"), n, n * 4, clock,
+            trainer = trainer_for(c, run, folder, os.path.join(tmp, "trl"), n, n * 4, clock,
                                   generation_kwargs={"min_new_tokens": 64}, logging_steps=1000)
             trainer.train()
         params = sum(p.numel() for p in run.model.parameters())

@@ -40,3 +40,15 @@ def test_trl_reward_is_our_score(tmp_path):
     p = run.task.problem("rl", 2)[1]
     right, wrong = run.task.target_ids(p.solution), run.task.target_ids("#### 99999")
     assert trainer.reward_funcs[0]([""] * 2, [""] * 2, [right, wrong], [2, 2]) == [1.0, 0.0]
+
+
+def test_bench_takes_a_model_folder(tmp_path):
+    """--bench=FOLDER times both whole steps on that folder's own weights (the real-model row of RESULTS §11)."""
+    model = compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                              intermediate_size=64))
+    cfg = compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + [f"--bench={tmp_path}", "--bench_steps=1"])
+    got = compare_trl.bench(cfg)[str(tmp_path)]
+    assert got["params"] == sum(p.numel() for p in model.parameters())
+    assert got["ours_s"] > 0 and got["trl_s"] > 0
+    with pytest.raises(SystemExit, match="neither a size"):
+        compare_trl.bench(compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + ["--bench=no/such/folder"]))

@@ -13,8 +13,9 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
      β = beta, num_generations = G and prompts_per_step · G completions per step, max_new_tokens, temperature,
      top_k / top_p, lr with warmup_steps of linear warmup then cosine to min_lr_ratio · lr over rl_steps (or
      constant), AdamW β1 / β2, weight decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32, no
-     gradient checkpointing. What stays different: TRL has no DAPO dynamic sampling (zero-spread groups train with
-     zero advantage), samples with transformers' generate, and its warmup starts at lr 0.
+     gradient checkpointing; trl_micro_rows splits the backward as micro_batch_tokens does ours. What stays
+     different: TRL has no DAPO dynamic sampling (zero-spread groups train with zero advantage), samples with
+     transformers' generate, and its warmup starts at lr 0.
   2. Training stops after `trl_minutes` of wall-clock (give it the RL stage's time of the run it is compared with,
      measured side by side under the same load). train.evaluate (train.py's held-out set and metrics: greedy and
      sampled pass@1, maj@k, answer rates, length) scores TRL's weights at step 0, every eval_every steps and at the
@@ -22,10 +23,11 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
      evaluations included as in ours), so `plot.py --x wall` draws TRL beside our runs. The model is saved to
      out_dir/final (our loader reads it for the last evaluation), the summary to out_dir/eval.json.
   3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (bench.py's presets, vocabulary 4096: our
-     characters plus fillers; or a model folder, on the config's task and template), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both), β = 0,
-     μ = 1, float32. Each TRL step is followed by one of ours (train.rl_step, no dynamic sampling) in the same
-     process, so the two take turns through any slow spell of the machine; the first step of each is warm-up.
-     Prints the median seconds per whole step (sample, reward, loss, backward, AdamW) and their ratio.
+     characters plus fillers; or a model folder, on the config's task and template), 4 prompts × 8 completions of
+     exactly 64 new tokens (stop tokens off in both), β = 0, μ = 1, float32. Each TRL step is followed by one of
+     ours (train.rl_step, no dynamic sampling) in the same process, so the two take turns through any slow spell of
+     the machine; the first step of each is warm-up. Prints the median seconds per whole step (sample, reward,
+     loss, backward, AdamW) and their ratio.
 
   python compare_trl.py --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
   python compare_trl.py --config configs/smollm2-135m-rg.toml --trl_minutes=30 --out_dir=runs/smollm2-rg-trl_s0
@@ -61,6 +63,7 @@ class TrlConfig(train.Config):
     trl_minutes: float = 0.0            # stop TRL's training after this much wall-clock (0: run rl_steps)
     bench: str = ""                     # comma-separated PRESETS or model folders: time whole steps, no training
     bench_steps: int = 6                # timed steps per side (after one warm-up step each)
+    trl_micro_rows: int = 0             # rows per TRL forward + backward, accumulated (0: all P·G at once)
 
     CHOICES: ClassVar[dict] = train.Config.CHOICES
 
@@ -79,8 +82,12 @@ def import_trl():
 def grpo_config(trl, cfg: TrlConfig, out_dir: str, max_steps: int, **over):
     """GRPOConfig closest to train.Config (see step 1 of the module docstring)."""
     P, G = cfg.prompts_per_step, cfg.group_size
+    rows = cfg.trl_micro_rows or P * G  # one generation of P·G per optimizer step either way
+    if (P * G) % rows:
+        raise SystemExit(f"error: trl_micro_rows = {rows} does not divide prompts_per_step × group_size = {P * G}")
     return trl.GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        output_dir=out_dir, per_device_train_batch_size=rows, gradient_accumulation_steps=P * G // rows,
+        num_generations=G,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         loss_type="dapo", epsilon=cfg.eps_low, epsilon_high=cfg.eps_high, beta=cfg.beta,
         num_iterations=cfg.ppo_epochs, scale_rewards=cfg.adv_scale, mask_truncated_completions=cfg.mask_truncated,

@@ -52,3 +52,16 @@ def test_bench_takes_a_model_folder(tmp_path):
     assert got["ours_s"] > 0 and got["trl_s"] > 0
     with pytest.raises(SystemExit, match="neither a size"):
         compare_trl.bench(compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + ["--bench=no/such/folder"]))
+
+
+def test_trl_micro_rows_accumulates_one_generation_per_step(tmp_path):
+    """trl_micro_rows splits TRL's backward (memory) but not its generation: P·G completions per optimizer step."""
+    _, trl, _ = compare_trl.import_trl()
+    cfg = compare_trl.cli.parse_config(compare_trl.TrlConfig, TINY + ["--trl_micro_rows=4"])
+    args = compare_trl.grpo_config(trl, cfg, str(tmp_path), 2)
+    P, G = cfg.prompts_per_step, cfg.group_size
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, P * G // 4)
+    assert args.generation_batch_size == P * G and args.num_generations == G
+    with pytest.raises(SystemExit, match="does not divide"):
+        compare_trl.grpo_config(trl, compare_trl.cli.parse_config(
+            compare_trl.TrlConfig, TINY + [f"--trl_micro_rows={P * G - 1}"]), str(tmp_path), 2)

@@ -26,7 +26,7 @@ import re
 NAMES = {"demo": "SFT + RL (the demo)", "control_sft": "SFT only (configs/control_sft.toml)",
          "control_filtered": "answer-filtered SFT (configs/control_filtered.toml)"}
 PANELS = {"eval": [("eval/pass@1", "held-out greedy pass@1"),
-                   ("eval/pass@1_sampled", "held-out sampled pass@1 (T = 1)")],
+                   ("eval/pass@1_sampled", "held-out sampled pass@1 (the run's T)")],
           "train": [("train/reward", "train reward (mean over the step's samples)"),
                     ("train/kept_groups_frac", "dynamic sampling: share of groups kept")]}
 

@@ -1,5 +1,5 @@
 """The RL objective a train.Config composes, printed as one formula so a log says exactly which paper it is, and the
-two passes over the whole batch that some objectives need before the first update (old_pass, cov_picks).
+two passes over the whole batch that some objectives need before the first update (whole_batch_pass, cov_picks).
 
 objective(cfg) reads only the config's objective fields (adv_scale, agg, ratio_level, pg_loss, ε, dual_clip, tis,
 top_entropy_q, cov, β, kl_in, kl_estimator, kl_old, reward, teacher, opd_weight, dynamic_sampling, max_staleness)
@@ -11,7 +11,7 @@ and names what the combination is:
   3. the aggregation; the name is a paper's only where the combination is that paper's (a sequence ratio without
      seq-mean-token-mean is not GSPO's eq. 5, and says so).
 
-old_pass scores every micro-batch under π_old (and π_ref for KL in the reward) without gradients; cov_picks gathers
+whole_batch_pass computes the log-probs of every micro-batch under π_old (and π_ref for KL in the reward) without gradients; cov_picks gathers
 every rank's (log π_old, Â) of valid tokens, puts them in (global row, position) order and picks Clip-Cov's /
 KL-Cov's tokens (grpo.cov_select), so neither the micro-batch split nor the rank count changes the selection.
 
@@ -37,14 +37,8 @@ def objective(cfg) -> str:
     agg = {"seq_mean_token_mean": "1/G Σ_i 1/|o_i| Σ_t", "token_mean": "1/Σ|o_i| Σ_i Σ_t",
            "seq_mean_token_sum_norm": f"1/(G·{cfg.max_new_tokens}) Σ_i Σ_t"}[cfg.agg]
     rho, lo, hi = "s_i" if cfg.ratio_level == "sequence" else "ρ_t", cfg.eps_low, cfg.eps_high
-    side = f"π_θ − π_old ≤ {hi} if Â > 0, ≥ −{lo} else"
-    term = {"clip": f"min({rho} Â, clip({rho}, 1−{lo}, 1+{hi}) Â)",
-            "cispo": f"sg(clip({rho}, 1−{lo}, 1+{hi})) Â log π_θ [train/loss logs −sg(clip)·Â, not −J_CISPO]",
-            "dppo_tv": f"1[{side}] sg(min({rho}, 20)) Â log π_θ",
-            "dppo_kl": f"1[D_bin(π_old‖π_θ) ≤ {hi} (Â > 0, π_θ > π_old), ≤ {lo} (Â ≤ 0, π_θ < π_old)] "
-                       f"sg(min({rho}, 20)) Â log π_θ",
-            "sapo": f"4/τ σ(τ({rho} − 1)) Â, τ = {cfg.tau_pos} (Â > 0) | {cfg.tau_neg}",
-            "gmpo": f"Â_i Π_t clip_[e^−{lo}, e^{hi}](ρ_t)^(1/|o_i|) (sign-pessimistic)"}[cfg.pg_loss]
+    surrogate = grpo.PG_LOSSES[cfg.pg_loss]  # its formula and paper, where it is defined (grpo.py)
+    term = surrogate.formula.format(rho=rho, lo=lo, hi=hi, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg)
     term = f"max({term}, {cfg.dual_clip}·Â)_(Â<0)" if cfg.dual_clip else term
     term = f"w^TIS_{cfg.tis} ({cfg.tis_mode}, C = {cfg.tis_cap:g}) · {term}" if cfg.tis != "none" else term
     term = f"1[H_t ≥ top {cfg.top_entropy_q:g}] · {term}" if cfg.top_entropy_q < 1 else term
@@ -60,8 +54,8 @@ def objective(cfg) -> str:
     adv += f",  Â_t += {cfg.opd_weight:g}·(log π_T(o_t) − log π_old(o_t)) per token [sampled-token reverse " \
         "KL(π_θ‖π_T), discount 0]" if opd else ""
     gspo = cfg.ratio_level == "sequence" and cfg.agg == "seq_mean_token_mean"
-    name = {"cispo": "CISPO", "dppo_tv": "DPPO-TV", "dppo_kl": "DPPO-KL", "sapo": "SAPO", "gmpo": "GMPO"}.get(
-        cfg.pg_loss, "GSPO" if gspo else "sequence-ratio clip, not GSPO (eq. 5 needs seq_mean_token_mean)"
+    name = surrogate.title or (  # the clip family is named by its other choices
+        "GSPO" if gspo else "sequence-ratio clip, not GSPO (eq. 5 needs seq_mean_token_mean)"
         if cfg.ratio_level == "sequence" else
         "MaxRL" if cfg.adv_scale == "maxrl" else
         "RLOO" if cfg.adv_scale == "rloo" else "REINFORCE++" if cfg.adv_scale == "reinforce_pp" else
@@ -77,14 +71,19 @@ def objective(cfg) -> str:
             else "") + (", zero-spread groups resampled (DAPO §3.2)" if cfg.dynamic_sampling else "") + src)
 
 
-def old_pass(run, scores, prompts: list, comps: list, plan: list[list[int]]) -> list[tuple]:
-    """(log π_old, entropy, log π_ref or None) [n, L] of every micro-batch of a train.Run, without gradients (scores:
-    train.scores): what the top-entropy τ, KL in the reward and Clip-/KL-Cov need before the first update."""
+def whole_batch_pass(run, logprobs, prompts: list, comps: list, plan: list[list[int]]) -> list[tuple]:
+    """(log π_old, entropy, log π_ref or None) [n, L] of every micro-batch of a train.Run, without gradients
+    (logprobs: train.policy_logprobs): what the top-entropy τ, KL in the reward and Clip-/KL-Cov need before the
+    first update."""
     cfg = run.cfg
+    with_ref = cfg.kl_in == "reward" and cfg.beta > 0
+    out = []
     with torch.no_grad():
-        return [(*scores(run, run.model, prompts, comps, rows, cfg.temperature), scores(
-            run, run.ref, prompts, comps, rows, cfg.temperature)[0] if cfg.kl_in == "reward" and cfg.beta > 0 else None)
-                for rows in plan]
+        for rows in plan:
+            old_logp, entropy = logprobs(run, run.model, prompts, comps, rows, cfg.temperature)
+            ref_logp = logprobs(run, run.ref, prompts, comps, rows, cfg.temperature)[0] if with_ref else None
+            out.append((old_logp, entropy, ref_logp))
+    return out
 
 
 def cov_picks(cfg, rank: int, pre: list[tuple], plan: list[list[int]], mask: torch.Tensor, adv: torch.Tensor,

@@ -71,7 +71,7 @@ def test_gradient_matches_a_float64_loop(agg):
     mask = torch.arange(L) < torch.tensor([5, 3, 1, 4])[:, None]
     adv_i = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64)
     a = distill.opd_advantage(adv_i, teacher, old, mask, w).double()
-    loss, _ = grpo.policy_loss(logp, old, a, mask, eps_l, eps_h, agg=agg, max_len=L)
+    loss, _ = grpo.policy_loss(logp, old, a, mask, eps_low=eps_l, eps_high=eps_h, agg=agg, max_len=L)
     grad, = torch.autograd.grad(loss, logp)
     want = torch.zeros(N, L, dtype=torch.float64)
     n_tok, n_seq = int(mask.sum()), int(mask.any(1).sum())

@@ -605,20 +605,20 @@ def test_2026_objectives_by_hand():
     # the kept token's gradient is −sg(ρ)·Â/2 = −1.1/2 with token_mean; value −(0 + 1.1)/2
     old = torch.tensor([[0.5, 0.5]], **f64).log()
     logp = torch.tensor([[0.7, 0.55]], **f64).log().requires_grad_()
-    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.1, eps_high=0.1, agg="token_mean",
                                pg_loss="dppo_tv")
     loss.backward()
     assert loss.item() == pytest.approx(-1.1 / 2) and m["clip_high"] == 0.5 and m["clip_low"] == 0
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1 / 2]], **f64))
     # the same move with Â < 0 is kept (it pushes π_θ back): both tokens have gradient ρ·|Â|/2
     logp.grad = None
-    grpo.policy_loss(logp, old, torch.tensor([-1.0], **f64), mask, 0.1, 0.1, agg="token_mean",
+    grpo.policy_loss(logp, old, torch.tensor([-1.0], **f64), mask, eps_low=0.1, eps_high=0.1, agg="token_mean",
                      pg_loss="dppo_tv")[0].backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[1.4 / 2, 1.1 / 2]], **f64))
     # DPPO-KL, δ = 0.05: binary KL of 0.5 → 0.7 is 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 > δ (masked);
     # 0.5 → 0.55: 0.00501 < δ (kept)
     logp.grad = None
-    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, 0.05, 0.05, agg="token_mean",
+    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.05, eps_high=0.05, agg="token_mean",
                                pg_loss="dppo_kl")
     assert m["clip_high"] == 0.5 and loss.item() == pytest.approx(-1.1 / 2)
     # SAPO at ρ = 1: value 4/τ · ½ · Â = 2Â/τ, gradient exactly Â (4σ(1 − σ) = 1); τ_pos for Â > 0, τ_neg else
@@ -632,7 +632,7 @@ def test_2026_objectives_by_hand():
     # GMPO, ε = 0.4, Â = 1: log-ratios 0.1 and 0.6 (clipped to 0.4) → value e^((0.1 + 0.4)/2) = e^0.25; only the
     # unclipped token carries the gradient, −e^0.25/2
     lp = torch.tensor([[0.1, 0.6]], **f64).requires_grad_()
-    loss, m = grpo.policy_loss(lp, zeros, torch.tensor([1.0], **f64), mask, 0.4, 0.4, pg_loss="gmpo")
+    loss, m = grpo.policy_loss(lp, zeros, torch.tensor([1.0], **f64), mask, eps_low=0.4, eps_high=0.4, pg_loss="gmpo")
     loss.backward()
     assert loss.item() == pytest.approx(-math.exp(0.25)) and m["clip_high"] == 0.5
     torch.testing.assert_close(lp.grad, torch.tensor([[-math.exp(0.25) / 2, 0.0]], **f64))

@@ -1,12 +1,11 @@
 """The command line of every entry point (train.py, star.py, evaluate.py): a typed config dataclass from
-
   1. its defaults (each written once, in the dataclass), then
   2. --config FILE.toml (keys are field names), then
   3. --key=value, --key value, or a bare --flag for true,
 each value coerced to its field's type (an int where a float is expected is fine; a dict field is a TOML table in a
 file, a JSON object on the command line). An unknown key, a value of the wrong type or one outside the field's
-CHOICES stops with an error naming the key and the file or the command line it came from, and suggests the closest
-key. A run starts with banner(): its config as aligned `key = value` lines.
+CHOICES stops with an error naming the key and its source, and suggests the closest key; a TOML syntax error names
+file:line:column. --help (-h): each key's type, default and comment, by group. banner(): a run's config, aligned.
 A user's mistake (a setting, a path, a data line, a checkpoint) raises UserError: run_main prints one line, exits 1.
 
   python train.py --config configs/smoke.toml --rl_steps=8 --beta 0.04 --resume
@@ -19,6 +18,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import tomllib
 
 
@@ -29,27 +29,27 @@ class UserError(ValueError):
 def parse_config(cls, argv: list[str]):
     """cls (a dataclass with a CHOICES dict) from its defaults, then --config FILE.toml, then --key=value, --key
     value or a bare --flag (true); values are coerced to the field's type, errors name the key and its source."""
-    names, values, args = {f.name for f in dataclasses.fields(cls)}, {}, list(argv)
+    names, values, args, kw = {f.name for f in dataclasses.fields(cls)}, {}, list(argv), {}
+    if "--help" in args or "-h" in args:
+        print(help_text(cls))
+        raise SystemExit(0)
     while args:
         arg = args.pop(0)
         if arg == "--config":
             path = args.pop(0) if args else ""
             if not os.path.isfile(path):
                 raise SystemExit(f"error: --config needs an existing TOML file, got {path!r}")
-            with open(path, "rb") as f:
-                values.update((k, (v, path)) for k, v in tomllib.load(f).items())
+            values.update((k, (v, path)) for k, v in run_main(load_toml, path).items())
         elif arg.startswith("--"):
             key, eq, val = arg[2:].partition("=")
             val = val if eq else args.pop(0) if args and not args[0].startswith("--") else "true"
             values[key.replace("-", "_")] = (val, "command line")
         else:
             raise SystemExit(f"error: unexpected argument {arg!r}; use --key=value")
-    kw = {}
     for key, (val, where) in values.items():
         if key not in names:
-            near = difflib.get_close_matches(key, names, n=1)
-            raise SystemExit(f"error: unknown config key {key!r} ({where})" + (f"; did you mean {near[0]!r}?" if near
-                                                                               else ""))
+            near = "".join(f"; did you mean {k!r}?" for k in difflib.get_close_matches(key, names, n=1))
+            raise SystemExit(f"error: unknown config key {key!r} ({where}){near}")
         typ = type(default(cls, key))
         if isinstance(val, str) and typ is bool and val.lower() in ("true", "1", "yes", "false", "0", "no"):
             val = val.lower() in ("true", "1", "yes")
@@ -68,6 +68,17 @@ def parse_config(cls, argv: list[str]):
         if val not in cls.CHOICES.get(key, (val,)):
             raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {cls.CHOICES[key]}")
     return cls(**kw)
+
+
+def load_toml(path: str) -> dict:
+    """A --config file's table; a syntax error in it is a UserError naming path:line:column."""
+    with open(path, "rb") as f:
+        text = f.read().decode()
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)" or "(at end of document)"
+        lines, m = text.split("\n"), re.fullmatch(r"(.*) \(at (?:line (\d+), column (\d+)|end of document)\)", str(e))
+        raise UserError(f"{path}:{m[2] or len(lines)}:{m[3] or len(lines[-1]) + 1}: {m[1]}") from None
 
 
 def default(cls, name: str):
@@ -93,17 +104,46 @@ def run_main(main, *args):
         raise SystemExit(1) from None
 
 
-def config_lines(cfg, every: bool = False) -> list[str]:
-    """cfg as aligned `key = value` lines (TOML values, so a block pastes into a --config file) under the
-    `# --- group` comments of its class and its parents; only the fields off their defaults unless `every`."""
-    group, groups = {}, {}
-    for klass in reversed([k for k in type(cfg).__mro__ if dataclasses.is_dataclass(k)]):
-        name = klass.__name__
+def field_docs(cls) -> dict[str, list[str]]:
+    """{field: [its `# --- group` or class name, its comment and the comment lines under it]} in cls's source."""
+    docs = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        group, last = klass.__name__, None
         for line in inspect.getsource(klass).splitlines():
             if m := re.match(r"\s+# --- (.*)", line):
-                name = m[1]
-            elif m := re.match(r"\s+(\w+): \S.* = ", line):
-                group.setdefault(m[1], name)
+                group, last = m[1], None
+            elif m := re.match(r"\s+(\w+): \S.*? = .*?(?:\s#\s*(.*))?$", line):  # (a default holds no " #")
+                last = docs.setdefault(m[1], [group, m[2] or ""])  # a base's group and comment stay
+            elif last and (m := re.match(r"\s+#\s*(.*)", line)):
+                last[1] += " " + m[1]
+            else:  # only the comment lines right under a field continue its comment
+                last = None
+    return docs
+
+
+def help_text(cls) -> str:
+    """--help: the entry point's docstring head and commands, each field under its group with type, default, comment."""
+    main = sys.modules["__main__"]  # the script whose config cls is (train.py, even for a Config it imports)
+    mod = main if any(v is cls for v in vars(main).values()) else inspect.getmodule(cls)
+    paras = (mod.__doc__ or "").strip("\n").split("\n\n")
+    out = [paras[0], "", f"usage: python {os.path.basename(mod.__file__)} [--config FILE.toml] [--key=value | --key "
+           "value | --flag]...\n  (a default below gives way to the file's value, and that to the command line's)"]
+    out += ["", paras[-1]] if re.match(r"\s*(python|torchrun) ", paras[-1]) else []
+    width, group, docs = max(len(f.name) for f in dataclasses.fields(cls)), None, field_docs(cls)
+    for f in dataclasses.fields(cls):
+        name, note = docs.get(f.name, [cls.__name__, ""])
+        out += ["", f"# --- {name}"] if name != group else []
+        row = f"  --{f.name:{width}}  {type(default(cls, f.name)).__name__:5}  {toml_value(default(cls, f.name)):12}  "
+        out.append(textwrap.fill(note, 120, initial_indent=row, subsequent_indent=" " * (width + 27),
+                                 break_on_hyphens=False) or row.rstrip())
+        group = name
+    return "\n".join(out)
+
+
+def config_lines(cfg, every: bool = False) -> list[str]:
+    """cfg as aligned `key = value` lines (TOML values, so a block pastes into a --config file) under the groups of
+    field_docs; only the fields off their defaults unless `every`."""
+    group, groups = {k: g for k, (g, _) in field_docs(type(cfg)).items()}, {}
     for f in dataclasses.fields(cfg):
         if every or getattr(cfg, f.name) != getattr(type(cfg)(), f.name):  # defaults as __post_init__ leaves them
             groups.setdefault(group.get(f.name, type(cfg).__name__), []).append(f.name)

@@ -13,7 +13,7 @@
 Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k, max_new_tokens, temperature,
 top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of the problems, as in training.
 
-  python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 --config configs/qwen2.5-0.5b-gsm8k.toml \
+  python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 --config configs/qwen2.5-0.5b-gsm8k.toml \\
       --eval_n=1319 --eval_k=8 --samples_out samples.jsonl
   torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt DIR --config configs/qwen2.5-0.5b-gsm8k.toml
   python evaluate.py --ckpt runs/smollm2-rg_s0/step_100 --config configs/smollm2-135m-rg.toml --eval_n=500

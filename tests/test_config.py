@@ -1,8 +1,12 @@
 """checks.py and cli.py's user-facing edges: one case per cross-field rule of train.Config / star.StarConfig (each
 message names the keys and their values), the files a config names (a missing folder, a truncated safetensors,
 a missing data file), one-line errors for a user's mistakes while bugs keep their tracebacks, the printed config,
-dict fields (a TOML table, JSON on the command line), and no torch warning from an RL step that has nothing to learn."""
+dict fields (a TOML table, JSON on the command line), --help (every key by group: type, default, comment), a
+malformed TOML file (file:line:column), and no torch warning from an RL step that has nothing to learn."""
+import dataclasses
 import glob
+import inspect
+import json
 import os
 import re
 import subprocess
@@ -212,3 +216,55 @@ def test_an_rl_step_with_nothing_to_learn_steps_the_schedule_without_a_warning(m
     assert [r["train/lr"] for r in recs] == pytest.approx([1e-3, 1e-3])  # warmup 1/2, 2/2, then the cosine
     assert sched.last_epoch == 2 and all(torch.equal(a, b) for a, b in zip(before, tr.run.model.parameters()))
     assert opt.state == {}  # AdamW took no step: no moments, no step count
+
+
+@pytest.mark.parametrize("cls", [train.Config, star.StarConfig])
+def test_help_lists_every_key_with_its_type_default_and_comment_by_group(cls, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--lr=1", "--help"], cls)
+    text = capsys.readouterr().out
+    assert e.value.code == 0 and text.splitlines()[0] == sys.modules[cls.__module__].__doc__.splitlines()[0]
+    assert max(map(len, text.splitlines())) <= 120
+    source = "".join(inspect.getsource(k) for k in reversed(cls.__mro__[:-1]))  # train.Config's, then StarConfig's
+    groups = re.findall(r"^    # --- (.*)$", source, re.M) + (["StarConfig"] if cls is star.StarConfig else [])
+    assert re.findall(r"^# --- (.*)$", text, re.M) == groups  # every group once, in the class's order
+    rows = {m[1]: m for m in re.finditer(r"^  --(\w+) +(\w+) +(\S+)(.*(?:\n {30,}\S.*)*)", text, re.M)}
+    assert list(rows) == [f.name for f in dataclasses.fields(cls)]
+    assert len({m.start(2) - m.start() for m in rows.values()}) == 1  # the type column is aligned
+    for f in dataclasses.fields(cls):
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        m = rows[f.name]
+        assert (m[2], m[3]) == (type(value).__name__, json.dumps(value)), f.name
+        line = re.search(rf"^    {f.name}: .*$", source, re.M)[0]
+        note = line.partition("  # ")[2]  # the field's own comment line (continuation lines: below)
+        assert " ".join(note.split()) in " ".join(m[4].split()), f.name
+    one = {k: " ".join(rows[k][4].split()) for k in ("reward", "eps_high", "wandb_project", "collective_timeout")}
+    assert one == {"reward": "outcome (verifier) | process (DeepSeekMath §4.1.3) | none (pure distillation) | "
+                             "format_only (1 for any committed number: the control)",
+                   "eps_high": "DAPO §3.1 clip-higher", "wandb_project": "",
+                   "collective_timeout": "the async groups' op timeout, and the longest the other side may make no "
+                                         "progress (hung); above any eval, checkpoint or sampling step"}
+
+
+def test_help_from_the_command_line_is_the_entry_points():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "star.py"), "-h"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.startswith(star.__doc__.splitlines()[0] + "\n\nusage: python star.py [--config FILE.toml]")
+    assert "\n# --- StarConfig\n  --algo " in p.stdout and "\n  python star.py --config configs/star.toml" in p.stdout
+
+
+def test_a_malformed_toml_file_is_one_line_naming_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    for text, where in [("lr = 1e-3\nx = \n", "2:5"), ("x = ", "1:5"), ("[rg_datasets\n", "1:13")]:
+        bad.write_text(text)
+        with pytest.raises(UserError) as e:
+            cli.load_toml(str(bad))
+        assert str(e.value).startswith(f"{bad}:{where}: "), str(e.value)
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(["--config", str(bad)])
+        assert e.value.code == 1 and capsys.readouterr().err.count("\n") == 1
+    bad.write_text("lr = 1e-3\nx = \n")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config", str(bad)])
+    assert capsys.readouterr().err == f"error: {bad}:2:5: Invalid value\n"

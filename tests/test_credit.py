@@ -17,6 +17,23 @@ def test_worked_example_advantages():
     torch.testing.assert_close(a.abs(), torch.full((8,), 0.8660254), rtol=0, atol=1e-6)
 
 
+def test_default_eps_bounds_a_tiny_spread():
+    # the default eps = 1e-4 added to the Bessel-corrected group std: [1, 0, 0, 1] has mean 1/2, deviations ±1/2,
+    # std sqrt((4 · 1/4) / 3) = sqrt(1/3) (sqrt(0.5) is the std of a G = 2 group [1, 0])
+    a = credit.group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 0, 0, 0]), 4)
+    hand = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # 0.865876, vs 0.866025 at eps = 0
+    torch.testing.assert_close(a[:4], torch.tensor([hand, -hand, -hand, hand]), rtol=0, atol=1e-6)
+    # [1, 0, 0, 0]: mean 1/4, std sqrt((9/16 + 3/16) / 3) = 1/2
+    torch.testing.assert_close(a[4:], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4), rtol=0, atol=1e-6)
+    two = credit.group_advantages(torch.tensor([1.0, 0]), 2)
+    torch.testing.assert_close(two, torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1e-4), rtol=0, atol=1e-6)
+    # a spread of 1e-6 (float noise in a shaped reward): eps dominates the std, so |Â| is small, not ±0.87
+    tiny = credit.group_advantages(torch.tensor([1e-6, 0, 0, 1e-6]), 4)
+    hand = 5e-7 / (5e-7 * math.sqrt(4 / 3) + 1e-4)  # 0.00497
+    torch.testing.assert_close(tiny, torch.tensor([hand, -hand, -hand, hand]), rtol=1e-4, atol=0)
+    assert tiny.abs().max() < 0.01
+
+
 def test_scale_batch_and_none_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0])  # groups [1, 0] and [0, 0], G = 2
     none = credit.group_advantages(r, 2, scale="none")

@@ -115,11 +115,50 @@ def test_lr_schedule_is_stepped_once_per_rl_step_whatever_ppo_epochs(tmp_path):
     lrs = {}
     for mu in (1, 2):
         out = tmp_path / f"mu{mu}"
+        # overlong_buffer = max_new_tokens: every completion's reward falls with its length, so groups have spread,
+        # dynamic sampling keeps them all and every RL step runs the μ-epoch loop (no early return)
         train.main(train.parse_args(["--config", SMOKE, f"--out_dir={out}", f"--ppo_epochs={mu}", "--lr=1e-3",
-                                     "--warmup_steps=2", "--eval_every=100", "--eval_n=4", "--ckpt_every=100"]))
-        lrs[mu] = [r["train/lr"] for r in records(out) if r["stage"] == "rl" and "train/lr" in r]
+                                     "--warmup_steps=2", "--eval_every=100", "--eval_n=4", "--ckpt_every=100",
+                                     "--overlong_buffer=24"]))
+        rl = [r for r in records(out) if r["stage"] == "rl" and "train/lr" in r]
+        assert len(rl) == 4 and all(r["train/kept_groups_frac"] == 1 for r in rl), rl
+        assert all(r["train/grad_norm"] > 0 and r["train/loss"] != 0 for r in rl), rl  # the loop ran and stepped
+        lrs[mu] = [r["train/lr"] for r in rl]
     # 4 RL steps, warmup 2, cosine from step 2 to the floor 0.1 · lr at step 4: factor(s) after s steps
     assert lrs[1] == pytest.approx([1e-3, 1e-3, 0.55e-3, 1e-4]) and lrs[2] == lrs[1]
+
+
+def test_optimizer_step_clips_the_gradient_norm_before_adamw():
+    # a gradient of norm 130 against grad_clip = 1: the step uses g · 1/130 (torch's clip_grad_norm_ divides by
+    # norm + 1e-6). By hand: SGD moves w by exactly −lr · g_clipped; two AdamW steps (make_optimizer's) move w as
+    # torch.optim.AdamW does when fed the clipped gradients (Adam's first step is nearly scale-free, the second
+    # is not: its moments mix the two steps' gradients)
+    cfg = train.parse_args(["--config", SMOKE, "--grad_clip=1.0", "--weight_decay=0.1", "--warmup_steps=0"])
+    g1, g2 = torch.tensor([[50.0, -120.0], [0.0, 0.0]]), torch.tensor([[0.1, 0.2], [-0.3, 0.05]])  # |g2| < 1
+    clipped = g1 / (130 + 1e-6)
+    w0 = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
+    model = torch.nn.Linear(2, 2, bias=False)
+    run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), model, None)
+
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    model.weight.grad = g1.clone()
+    norm = train.optimizer_step(run, torch.optim.SGD(model.parameters(), lr=0.5))
+    assert float(norm) == pytest.approx(130.0)  # the norm before clipping, as logged
+    torch.testing.assert_close(model.weight.detach(), w0 - 0.5 * clipped, rtol=0, atol=1e-7)
+    assert model.weight.grad is None  # zeroed for the next step
+
+    with torch.no_grad():
+        model.weight.copy_(w0)
+    opt, _ = train.make_optimizer(run, 1e-2, 10)
+    ref = torch.nn.Parameter(w0.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=0.1)
+    for g, used in ((g1, clipped), (g2, g2)):
+        model.weight.grad = g.clone()
+        train.optimizer_step(run, opt)
+        ref.grad = used.clone()
+        ref_opt.step()
+        torch.testing.assert_close(model.weight.detach(), ref.detach(), rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow

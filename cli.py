@@ -66,7 +66,7 @@ def parse_config(cls, argv: list[str]):
         if type(val) is not typ:
             raise SystemExit(f"error: config key {key!r} ({where}) needs a {typ.__name__}, got {val!r}")
         if val not in cls.CHOICES.get(key, (val,)):
-            raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {cls.CHOICES[key]}")
+            raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {tuple(cls.CHOICES[key])}")
     return cls(**kw)
 
 

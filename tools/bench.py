@@ -12,30 +12,31 @@ Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so th
   2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
   20m: hidden 384, 12 layers, 6 heads / 2 KV heads of 64, FFN 1024  20.4M parameters
 
-  python bench.py --size 2m                 python bench.py --size 20m --repeats 2 --static   (+ the compiled step)
-  python bench.py --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
+  python -m tools.bench --size 2m          python -m tools.bench --size 20m --repeats 2 --static   (+ the compiled step)
+  python -m tools.bench --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
 
 --device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped bf16 model,
 eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of max(HBM, FLOP) floors (the sampler's
 logits counted), RL steps of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, the sampling copy's refresh, sampling and
-training timed apart:  python bench.py --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
+training timed apart:  python -m tools.bench --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
 --rl instead splits one RL step of a preset (4 x 8 x 64 tokens) by torch.profiler into sampling, scoring, loss,
-backward and AdamW, each with its time outside aten ops:  python bench.py --rl --size 20m --threads 1
+backward and AdamW, each with its time outside aten ops:  python -m tools.bench --rl --size 20m --threads 1
 
 --logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
 backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
 rollout.score (logits at every position, a float32 copy, a [n, L, V] gather, a separate entropy pass) against
 `chunked`, rollout.score (LM head at completion tokens only, chunks recomputed in backward):
-  python bench.py --logprobs --threads 1            (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
+  python -m tools.bench --logprobs --threads 1     (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
 
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers, long
 and adversarial texts), one thread, its slowest call on hostile runs (HOSTILE) of 10k, 100k and 1M characters (linear
-time: ~10x per size), and math-verify's calls/s and agreement if importable:  python bench.py --verify
+time: ~10x per size), and math-verify's calls/s and agreement if importable:  python -m tools.bench --verify
 """
 import argparse
 import itertools
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -53,6 +54,8 @@ import train
 import verify
 from model import ModelConfig, Transformer
 from rollout import filter_logits, generate, pad_batch, score
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # --logprobs' children run from it
 
 
 # ------------------------------------------------------------------------------- verify.reward calls/s
@@ -112,6 +115,32 @@ def bench_verify(rounds: int = 20):
 
 
 # --------------------------------------------------------------------- log-probs at a real vocabulary
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """log π(target): logits [B, T, V], targets [B, T] -> float32 [B, T], differentiable. `chunk` rows at a time as
+    gathered logit − logsumexp: a [chunk, T, V] float32 copy at once, never a full [B, T, V] log-softmax."""
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(f"need logits [B, T, V] and targets [B, T], got {tuple(logits.shape)}, {tuple(targets.shape)}")
+    out = []
+    for i in range(0, logits.shape[0], chunk):
+        z = logits[i:i + chunk].float()  # [c, T, V]
+        picked = z.gather(-1, targets[i:i + chunk].unsqueeze(-1)).squeeze(-1)  # [c, T]
+        out.append(picked - z.logsumexp(-1))
+    return torch.cat(out)
+
+
+def token_entropy(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Exact entropy of π per position: logits [B, T, V] -> float32 [B, T], H = −Σ_v π_v log π_v."""
+    if logits.dim() != 3:
+        raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
+    out = []
+    for i in range(0, logits.shape[0], chunk):
+        z = logits[i:i + chunk].float()
+        # −Σ p log p on the normalised log-probs, not lse − Σ p z, which cancels badly for peaked π
+        logp = z - z.logsumexp(-1, keepdim=True)  # [c, T, V]
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out)
+
+
 def full_logits_logprobs(model, prompts, comps, T):
     """The trainer's log-probs before rollout.score: all logits, gathered to [n, L, V], log-softmax, entropy apart."""
     n, L = comps.shape
@@ -120,8 +149,8 @@ def full_logits_logprobs(model, prompts, comps, T):
     pos = torch.tensor([len(p) for p in prompts])[:, None] - 1 + torch.arange(L)
     logits = filter_logits(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])), T)
     with torch.no_grad():
-        ent = grpo.token_entropy(logits)
-    return grpo.token_logprobs(logits, comps), ent
+        ent = token_entropy(logits)
+    return token_logprobs(logits, comps), ent
 
 
 def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, repeats=2):
@@ -143,52 +172,27 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
                       "grad_norm": grad.item(), "params": sum(p.numel() for p in model.parameters())}))
 
 
-PRESETS = {"2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
-           "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024)}
-p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("--size", default="2m", choices=sorted(PRESETS))
-p.add_argument("--ckpt", default="", help="a Hugging Face folder to load instead of a preset")
-p.add_argument("--settings", default="8x8x128,4x16x128,64x1x128", help="comma-separated P x G x new tokens")
-for name, default in (("--prompt_len", 32), ("--repeats", 3), ("--threads", 2), ("--vocab", 151936)):
-    p.add_argument(name, type=int, default=default)
-p.add_argument("--naive_tokens", type=int, default=16, help="the naive loop runs only this many steps")
-p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
-p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
-p.add_argument("--rl", action="store_true", help="the time split of one RL step (4 x 8 x 64 tokens) instead")
-p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
-p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
-p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
-p.add_argument("--gpu_new", type=int, default=512, help="--device cuda: new tokens per row of the decode check")
-p.add_argument("--gpu_rl_steps", type=int, default=2, help="--device cuda: RL steps timed")
-args = p.parse_args()
-if args.logprobs:
-    torch.set_num_threads(args.threads)
-    if args.method:
-        raise SystemExit(bench_logprobs(args.method, args.vocab))
+def logprobs_side_by_side(vocab: int, threads: int):
+    """Each method in fresh processes (alternating, best of two each), so that each peak RSS is the method's own."""
     res = {}
-    for method in ("full", "chunked", "full", "chunked"):  # alternating, best of two fresh processes each
-        cmd = [sys.executable, __file__, "--logprobs", f"--method={method}", f"--vocab={args.vocab}",
-               f"--threads={args.threads}"]
-        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    for method in ("full", "chunked", "full", "chunked"):
+        cmd = [sys.executable, "-m", "tools.bench", "--logprobs", f"--method={method}", f"--vocab={vocab}",
+               f"--threads={threads}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        r = json.loads(out.strip().splitlines()[-1])
         res[method] = min(res.get(method, r), r, key=lambda x: x["s"])
     f, c = res["full"], res["chunked"]
-    print(f"{f['params'] / 1e6:.1f}M params, V = {args.vocab:,}, 32 rows x (136 + 64) tokens, {args.threads} threads\n"
+    print(f"{f['params'] / 1e6:.1f}M params, V = {vocab:,}, 32 rows x (136 + 64) tokens, {threads} threads\n"
           + "\n".join(f"{r['method']:>8}: {r['s']:6.2f} s forward + backward, peak RSS {r['peak_rss_gb']:5.2f} GB"
                       for r in (f, c)))
     print(f"chunked / full: time {c['s'] / f['s']:.2f}, peak RSS {c['peak_rss_gb'] / f['peak_rss_gb']:.2f}; |Δ sum "
           f"log-prob| {abs(c['logp_sum'] - f['logp_sum']):.1e}, |Δ grad| {abs(c['grad_norm'] - f['grad_norm']):.1e}")
-    raise SystemExit(print(json.dumps(res)))
-if args.verify:
-    torch.set_num_threads(1)
-    raise SystemExit(bench_verify())
-torch.set_num_threads(args.threads)
-dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
+    print(json.dumps(res))
 
 
+# ---------------------------------------------------------------------------------------------- timing
 def sync():
-    return torch.cuda.synchronize() if dev.type == "cuda" else None
+    return torch.cuda.synchronize() if torch.cuda.is_initialized() else None  # CUDA work is timed once it is done
 
 
 def timed(fn):
@@ -219,6 +223,7 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
     decode step must move (every weight, each row's filled KV slots, the sampler's logits written and read once) /
     the bandwidth of a device-to-device copy, the FLOP floor = 2 FLOPs per weight and row plus attention's 4 per
     KV slot, head dim and query head / the rate of a large bf16 matmul."""
+    dev = torch.device("cuda")
     t_start, gen, x = time.time(), torch.Generator().manual_seed(0), torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
     bw = 2 * x.numel() / best_times({0: x.clone}, 5)[0]  # bytes read + written per second
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -274,7 +279,7 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
     print(f"total {time.time() - t_start:.0f} s")
 
 
-def bench_rl(model, P=4, G=8, L=64, S=32, steps=2):
+def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
     """One RL step as train.rl_step composes it, P x G x L new tokens (no stop token), one process (no collectives
     run): the split (sampling, scoring = the forward of log π, loss, backward, AdamW) of the faster of `steps`."""
     def section(split: dict, name: str, fn):  # split[name] += [wall time, of it outside aten ops (ops' self times)]
@@ -284,12 +289,13 @@ def bench_rl(model, P=4, G=8, L=64, S=32, steps=2):
         wall, ops = time.perf_counter() - t0, sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
         split[name] = [a + b for a, b in zip(split.get(name, (0.0, 0.0)), (wall, max(0.0, wall - ops)))]
         return out
-    rl = train.parse_args([f"--threads={args.threads}"])
-    run = train.Run(rl, infra.setup("cpu", args.threads), model.train(), None)
-    opt, prompts, best = train.make_optimizer(run, rl.lr, 10)[0], torch.randint(3, cfg.vocab_size, (P, S)).tolist(), {}
+    rl = train.parse_args([f"--threads={threads}"])
+    run = train.Run(rl, infra.setup("cpu", threads), model.train(), None)
+    opt, best, n_params = train.make_optimizer(run, rl.lr, 10)[0], {}, sum(t.numel() for t in model.parameters())
+    prompts = torch.randint(3, model.config.vocab_size, (P, S)).tolist()
     rows_p = [p for p in prompts for _ in range(G)]
     for step in range(steps):
-        comps = section(split := {}, "sampling", lambda: generate(model, prompts, G, L, seed=step, static=args.static
+        comps = section(split := {}, "sampling", lambda: generate(model, prompts, G, L, seed=step, static=static
                                                                   ).completion_ids.tolist())
         for rows in infra.rank_micro_batches(rows_p, comps, run.cfg.micro_batch_tokens):
             logp = section(split, "scoring", lambda: train.scores(run, model, rows_p, comps, rows, rl.temperature)[0])
@@ -300,45 +306,32 @@ def bench_rl(model, P=4, G=8, L=64, S=32, steps=2):
         section(split, "optimizer", lambda: train.optimizer_step(run, opt))
         split["total"] = [sum(v[i] for v in split.values()) for i in (0, 1)]
         best = min(best, split, key=lambda x: x.get("total", [float("inf")])[0])
-    print(f"RL step, {P}x{G}x{L} tokens, {n_params / 1e6:.1f}M params, {args.threads} threads, best of {steps} "
+    print(f"RL step, {P}x{G}x{L} tokens, {n_params / 1e6:.1f}M params, {threads} threads, best of {steps} "
           f"(seconds, share of the step, of it outside aten ops): " + ", ".join(
               f"{k} {t:.2f} ({t / best['total'][0]:.0%}, {o:.2f})" for k, (t, o) in best.items()))
     print(json.dumps({"rl_step": best}))
 
 
-if args.device == "cuda" and not args.ckpt:
-    raise SystemExit(bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps))
-# -------------------------------------------------------------------------------------------------- model
-torch.manual_seed(0)
-model = Transformer.from_pretrained(args.ckpt) if args.ckpt else Transformer(ModelConfig(
-    model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size]))
-model = model.to(dev, dtype).eval()
-cfg, n_params = model.config, sum(t.numel() for t in model.parameters())
-if args.rl:
-    raise SystemExit(bench_rl(model))
-torch.set_grad_enabled(False)
-settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
-gen, S = torch.Generator().manual_seed(0), args.prompt_len
-results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
-           "threads": args.threads, "prompt_len": S}
+# ------------------------------------------------------------------- sampling tokens/s (the default)
+@torch.no_grad()
+def naive(model, prompt_ids, G: int, steps: int, T: float):
+    """The no-cache loop: the whole sequence through the model at every step."""
+    seq = prompt_ids.repeat_interleave(G, 0)                                   # [N, S]
+    for _ in range(steps):
+        logits = model(seq)[:, -1].float()                                       # the whole sequence, every step
+        tok = logits.argmax(-1) if T == 0 else torch.multinomial(logits.softmax(-1), 1)[:, 0]
+        seq = torch.cat((seq, tok[:, None]), 1)
 
-# -------------------------------------------------------------------- the timed jobs: name -> (fn, tokens)
-jobs = {}
-for i, (P, G, new) in enumerate(settings):
-    prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
-    for T, static in itertools.product((0.0, 1.0), (False, True) if args.static else (False,)):
-        jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (partial(generate, model, prompts, G, new, temperature=T,
-                                                                     seed=0, static=static), P * G * new)
-P, G, new = settings[0]
-N = P * G
-prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
-try:
-    if args.no_hf:
-        raise ImportError
-    import transformers
+
+def hf_jobs(model, prompt_ids, G: int, new: int, dtype) -> dict:
+    """{(label, T): (fn, tokens)}: transformers' generate on the same weights, greedy and T = 1; {} without it."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(dev).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(prompt_ids.device).eval()
     hf.generation_config.eos_token_id = None  # every row generates all `new` tokens
 
     def hf_run(sample):
@@ -346,55 +339,108 @@ try:
         ids = prompt_ids.repeat_interleave(G, 0)  # greedy refuses num_return_sequences; it would repeat too
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                           pad_token_id=0, **kw)
-        assert out.shape == (N, S + new), out.shape
+        assert out.shape == (len(ids), prompt_ids.shape[1] + new), out.shape
 
-    hf_label = f"transformers {transformers.__version__}"
-    jobs.update({(hf_label, T): (partial(hf_run, T > 0), N * new) for T in (0.0, 1.0)})
-except ImportError:
-    hf_label = None
-
-# matmul-only bound: every weight matrix (and the LM head) times the rows of each setting, 20 decode steps' worth
-mats = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + \
-    ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
-
-for n_rows in sorted({P_ * G_ for P_, G_, _ in settings}):  # no autograd from here on (set below --rl's exit)
-    xs = [torch.randn(n_rows, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
-    jobs[f"matmul-only bound {n_rows} rows", 0.0] = (
-        lambda xs=xs: [F.linear(x, w, b) for _ in range(20) for x, (w, b) in zip(xs, mats)], n_rows * 20)
-best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
-tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
-pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
-results |= {f"ours_{P_}x{G_}x{new_}": pair[f"ours {P_}x{G_}x{new_}"] for P_, G_, new_ in settings}
-if hf_label:
-    results["transformers"] = pair[hf_label]
-bounds = {int(k.split()[-2]): v for (k, _), v in tps.items() if k.startswith("matmul")}  # rows -> tokens/s
-results["matmul_bound"] = bounds[N]
-rows = [(lb, *pair[lb].values()) for lb in pair] + [(f"matmul-only bound, {n} rows", b, b) for n, b in bounds.items()]
+    label = f"transformers {transformers.__version__}"
+    return {(label, T): (partial(hf_run, T > 0), len(prompt_ids) * G * new) for T in (0.0, 1.0)}
 
 
-# --------------------------------------------------------------------------------------- naive, no cache
-@torch.no_grad()
-def naive(T):
-    seq = prompt_ids.repeat_interleave(G, 0)                                   # [N, S]
-    for _ in range(args.naive_tokens):
-        logits = model(seq)[:, -1].float()                                       # the whole sequence, every step
-        tok = logits.argmax(-1) if T == 0 else torch.multinomial(logits.softmax(-1), 1)[:, 0]
-        seq = torch.cat((seq, tok[:, None]), 1)
+def bench_sampling(model, args):
+    """Ours at every setting; transformers, the naive loop and the matmul-only bound at the first (see the top)."""
+    torch.set_grad_enabled(False)
+    dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
+    cfg, n_params = model.config, sum(t.numel() for t in model.parameters())
+    settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
+    gen, S = torch.Generator().manual_seed(0), args.prompt_len
+    results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
+               "threads": args.threads, "prompt_len": S}
+    jobs = {}  # name -> (fn, tokens)
+    for P, G, new in settings:
+        prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
+        for T, static in itertools.product((0.0, 1.0), (False, True) if args.static else (False,)):
+            run = partial(generate, model, prompts, G, new, temperature=T, seed=0, static=static)
+            jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (run, P * G * new)
+    P, G, new = settings[0]
+    N = P * G
+    prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
+    hf = {} if args.no_hf else hf_jobs(model, prompt_ids, G, new, dtype)
+    jobs |= hf
+    # matmul-only bound: every weight matrix (and the LM head) times the rows of each setting, 20 decode steps' worth
+    mats = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + \
+        ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
+    for n_rows in sorted({P_ * G_ for P_, G_, _ in settings}):
+        xs = [torch.randn(n_rows, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
+        jobs[f"matmul-only bound {n_rows} rows", 0.0] = (
+            lambda xs=xs: [F.linear(x, w, b) for _ in range(20) for x, (w, b) in zip(xs, mats)], n_rows * 20)
+    best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
+    tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
+    pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
+    results |= {f"ours_{P_}x{G_}x{new_}": pair[f"ours {P_}x{G_}x{new_}"] for P_, G_, new_ in settings}
+    if hf:
+        results["transformers"] = pair[next(iter(hf))[0]]
+    bounds = {int(k.split()[-2]): v for (k, _), v in tps.items() if k.startswith("matmul")}  # rows -> tokens/s
+    results["matmul_bound"] = bounds[N]
+    rows = [(lb, *pair[lb].values()) for lb in pair]
+    rows += [(f"matmul-only bound, {n} rows", b, b) for n, b in bounds.items()]
+    times = best_times({T: partial(naive, model, prompt_ids, G, args.naive_tokens, T) for T in (0.0, 1.0)}, 1)
+    nv = [N * args.naive_tokens / t for t in times.values()]
+    rows.insert(len(pair), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
+    results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
+
+    print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.device}, {args.threads} threads, "
+          f"{S}-token prompts, best of {args.repeats}")
+    print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}{'of the matmul-only bound':>28}")
+    for label, a, b in rows:  # a row's fraction: of the bound at its own rows (the naive loop: at the first setting's)
+        n = math.prod(map(int, label.split()[-1].split("x")[:2])) if label.startswith("ours") else N
+        frac = "" if "bound" in label else f"{a / bounds[n]:>18.2f} / {b / bounds[n]:.2f}"
+        print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}{frac}")
+    if hf := results.get("transformers"):
+        a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
+        print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
+    print(json.dumps(results))
 
 
-nv = [N * args.naive_tokens / t for t in best_times({T: partial(naive, T) for T in (0.0, 1.0)}, 1).values()]
-rows.insert(len(pair), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
-results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
+# ---------------------------------------------------------------------------------------------- command line
+PRESETS = {"2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
+           "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024)}
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="2m", choices=sorted(PRESETS))
+    p.add_argument("--ckpt", default="", help="a Hugging Face folder to load instead of a preset")
+    p.add_argument("--settings", default="8x8x128,4x16x128,64x1x128", help="comma-separated P x G x new tokens")
+    for name, default in (("--prompt_len", 32), ("--repeats", 3), ("--threads", 2), ("--vocab", 151936)):
+        p.add_argument(name, type=int, default=default)
+    p.add_argument("--naive_tokens", type=int, default=16, help="the naive loop runs only this many steps")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
+    p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
+    p.add_argument("--rl", action="store_true", help="the time split of one RL step (4 x 8 x 64 tokens) instead")
+    p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
+    p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
+    p.add_argument("--method", default="", help=argparse.SUPPRESS)  # --logprobs runs each method in a child process
+    p.add_argument("--gpu_new", type=int, default=512, help="--device cuda: new tokens per row of the decode check")
+    p.add_argument("--gpu_rl_steps", type=int, default=2, help="--device cuda: RL steps timed")
+    return p
 
-# ---------------------------------------------------------------------------------------------- report
-print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.device}, {args.threads} threads, "
-      f"{S}-token prompts, best of {args.repeats}")
-print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}{'of the matmul-only bound':>28}")
-for label, a, b in rows:  # a row's fraction: of the bound at its own rows (the naive loop: at the first setting's)
-    n = math.prod(map(int, label.split()[-1].split("x")[:2])) if label.startswith("ours") else N
-    frac = "" if "bound" in label else f"{a / bounds[n]:>18.2f} / {b / bounds[n]:.2f}"
-    print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}{frac}")
-if hf := results.get("transformers"):
-    a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
-    print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
-print(json.dumps(results))
+
+def main():
+    args = parser().parse_args()
+    if args.logprobs:
+        torch.set_num_threads(args.threads)
+        return bench_logprobs(args.method, args.vocab) if args.method else logprobs_side_by_side(args.vocab, args.threads)
+    if args.verify:
+        torch.set_num_threads(1)
+        return bench_verify()
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not args.ckpt:
+        return bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps)
+    torch.manual_seed(0)
+    model = Transformer.from_pretrained(args.ckpt) if args.ckpt else Transformer(ModelConfig(
+        model_type="qwen2", attention_bias=True, vocab_size=4096, max_seq_len=1024, **PRESETS[args.size]))
+    model = model.to(torch.device(args.device), getattr(torch, args.dtype)).eval()
+    return bench_rl(model, args.threads, args.static) if args.rl else bench_sampling(model, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major
      R_len(y) = 0 if |y| ≤ Lmax − Lc;  ((Lmax − Lc) − |y|) / Lc if Lmax − Lc < |y| ≤ Lmax;  −1 otherwise.
    KL in the reward (kl_reward; Ziegler et al. 2019 eq. 2, Ouyang et al. 2022 eq. 2): r_i ← r_i − β Σ_t k1_i,t,
      k1_t = log π_old(o_t) − log π_ref(o_t), before the advantage. Its expected score-function gradient is the exact
-     ∇_θ [J − β KL(π_θ‖π_ref)] (oracle.py's "k1 in the reward" row); k3 in the loss is not.
+     ∇_θ [J − β KL(π_θ‖π_ref)] (tools/oracle.py's "k1 in the reward" row); k3 in the loss is not.
 2. Dynamic sampling, DAPO §3.2: keep a group only if 0 < |{o_i correct}| < G (its reward spread is > 0),
    since a zero-spread group has Â = 0 and gives no gradient.
 3. Group-relative advantage, DeepSeekMath §4.1.2:  Â_i = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + eps).

@@ -14,7 +14,7 @@ and power-of-two batch size at one capacity (reserve), kept in _BUFFERS, marked 
 a new call copies its rows into them. Bounds: fewer than 2 x the largest first batch rows held; a frame per
 sampling setting (no duck sizing, no branch on the stop ids), whatever the batch sizes, widths or lengths.
 
-  python -m pytest -q tests/test_decode.py tests/test_rollout.py       python bench.py --device cuda
+  python -m pytest -q tests/test_decode.py tests/test_rollout.py       python -m tools.bench --device cuda
 """
 import contextlib
 import weakref

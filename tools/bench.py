@@ -268,7 +268,7 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
         comps = generate(sampler, prompts, rl.group_size, rl.max_new_tokens, seed=step).completion_ids.tolist()
         t2 = time.time()
         for rows in infra.rank_micro_batches(rows_p, comps, run.cfg.micro_batch_tokens):
-            logp, _ = train.scores(run, run.model, rows_p, comps, rows, rl.temperature)
+            logp, _ = train.policy_logprobs(run, run.model, rows_p, comps, rows, rl.temperature)
             grpo.policy_loss(logp, logp.detach(), torch.randn(len(rows), device=dev), torch.ones_like(logp).bool(),
                              agg="token_mean", loss_scale=logp.numel())[0].backward()
         train.optimizer_step(run, opt), sync()
@@ -298,7 +298,7 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
         comps = section(split := {}, "sampling", lambda: generate(model, prompts, G, L, seed=step, static=static
                                                                   ).completion_ids.tolist())
         for rows in infra.rank_micro_batches(rows_p, comps, run.cfg.micro_batch_tokens):
-            logp = section(split, "scoring", lambda: train.scores(run, model, rows_p, comps, rows, rl.temperature)[0])
+            logp = section(split, "scoring", lambda: train.policy_logprobs(run, model, rows_p, comps, rows, rl.temperature)[0])
             mask, adv = torch.ones_like(logp).bool(), torch.randn(len(rows))
             loss = section(split, "loss", lambda: grpo.policy_loss(logp, logp.detach(), adv, mask, agg="token_mean",
                                                                   loss_scale=logp.numel())[0])

@@ -20,19 +20,19 @@ Needs trl and transformers, which the project does not: `pip install trl==1.16.0
      measured side by side under the same load). train.evaluate (train.py's held-out set and metrics: greedy and
      sampled pass@1, maj@k, answer rates, length) scores TRL's weights at step 0, every eval_every steps and at the
      end, each a line of out_dir/metrics.jsonl as train.py writes them (time/wall_s since training began, its
-     evaluations included as in ours), so `plot.py --x wall` draws TRL beside our runs. The model is saved to
+     evaluations included as in ours), so `tools/plot.py --x wall` draws TRL beside our runs. The model is saved to
      out_dir/final (our loader reads it for the last evaluation), the summary to out_dir/eval.json.
-  3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (bench.py's presets, vocabulary 4096: our
+  3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (tools/bench.py's presets, vocabulary 4096: our
      characters plus fillers; or a model folder, on the config's task and template), 4 prompts × 8 completions of
      exactly 64 new tokens (stop tokens off in both), β = 0, μ = 1, float32. Each TRL step is followed by one of
      ours (train.rl_step, no dynamic sampling) in the same process, so the two take turns through any slow spell of
      the machine; the first step of each is warm-up. Prints the median seconds per whole step (sample, reward,
      loss, backward, AdamW) and their ratio.
 
-  python compare_trl.py --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
-  python compare_trl.py --config configs/smollm2-135m-rg.toml --trl_minutes=30 --out_dir=runs/smollm2-rg-trl_s0
-  python compare_trl.py --bench=2m,20m --bench_steps=6 --threads=2
-  python compare_trl.py --config configs/smollm2-135m-rg.toml --bench=checkpoints/SmolLM2-135M-Instruct --threads=2
+  python -m tools.compare_trl --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl --threads=1
+  python -m tools.compare_trl --config configs/smollm2-135m-rg.toml --trl_minutes=30 --out_dir=runs/smollm2-rg-trl_s0
+  python -m tools.compare_trl --bench=2m,20m --bench_steps=6 --threads=2
+  python -m tools.compare_trl --config configs/smollm2-135m-rg.toml --bench=checkpoints/SmolLM2-135M-Instruct --threads=2
 """
 import dataclasses
 import json
@@ -52,7 +52,7 @@ import train
 from model import ModelConfig, Transformer, build_char_tokenizer
 from templates import render_prompt
 
-PRESETS = {  # bench.py's
+PRESETS = {  # tools/bench.py's
     "2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
     "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024),
 }
@@ -74,7 +74,7 @@ def import_trl():
         import trl
         from datasets import Dataset
     except ImportError as e:
-        raise SystemExit(f"error: compare_trl.py needs trl and transformers ({e}); "
+        raise SystemExit(f"error: tools/compare_trl.py needs trl and transformers ({e}); "
                          "pip install trl==1.16.0 transformers==5.24.0") from None
     return transformers, trl, Dataset
 
@@ -159,7 +159,7 @@ def step_clock(transformers):
 
 def log_eval(run: train.Run, weights: dict, step: int, wall_s: float, out_dir: str) -> dict:
     """train.evaluate of TRL's weights (copied into our model: the same names; a tied lm_head is embed_tokens), as
-    one line of out_dir/metrics.jsonl in train.py's format, so plot.py draws TRL beside our runs."""
+    one line of out_dir/metrics.jsonl in train.py's format, so tools/plot.py draws TRL beside our runs."""
     own = run.model.state_dict()
     run.model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
     rec = {"step": step, "stage": "base" if step == 0 else "rl", **train.evaluate(run, step), "time/wall_s": wall_s}

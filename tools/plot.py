@@ -9,14 +9,14 @@
      groups with reward spread) per RL step, mean and range over seeds.
   3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step, evaluations included;
      0 at the base evaluation), each point at the mean over seeds of the minute its step was reached, so runs of
-     different step costs (SFT vs RL, ours vs TRL: compare_trl.py writes the same metrics.jsonl) compare at equal
+     different step costs (SFT vs RL, ours vs TRL: tools/compare_trl.py writes the same metrics.jsonl) compare at equal
      compute.
   4. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
 
   pip install matplotlib
-  python plot.py runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
-  python plot.py runs/demo_s* --kind train --out plots/demo_train.png
-  python plot.py runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall --out plots/smollm2_eval.png
+  python -m tools.plot runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
+  python -m tools.plot runs/demo_s* --kind train --out plots/demo_train.png
+  python -m tools.plot runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall --out plots/smollm2_eval.png
 """
 import argparse
 import json
@@ -100,7 +100,7 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("error: plot.py draws with matplotlib, which is not installed: pip install matplotlib") \
+        raise SystemExit("error: tools/plot.py draws with matplotlib, which is not installed: pip install matplotlib") \
             from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

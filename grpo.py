@@ -200,12 +200,10 @@ def loss_normaliser(mask: torch.Tensor, agg: str, max_len: Optional[int] = None)
 
 def _aggregate(per_tok: torch.Tensor, valid: torch.Tensor, agg: str, max_len: Optional[int],
                loss_scale: Scale) -> torch.Tensor:
-    # numerator: the sum of per-sequence means or per-token losses; denominator: local or global
-    # normaliser
+    # the sum of per-sequence means or of per-token losses, over a local or global normaliser
     norm = loss_normaliser(valid, agg, max_len) if loss_scale is None else None
     if agg == "seq_mean_token_mean":
-        # a row with no valid tokens has no mean: it adds 0 here and is not counted by
-        # loss_normaliser
+        # a row with no valid tokens has no mean: it adds 0, and loss_normaliser skips it
         total = (per_tok.sum(1) / valid.sum(1).clamp(min=1)).sum()
     else:
         total = per_tok.sum()
@@ -262,8 +260,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     valid = mask != 0  # [N, L]
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype).expand_as(logp)  # [N, L]
-    # the log-ratio is 0 on padding before exp, so garbage there cannot become inf, then NaN
-    # gradients
+    # the log-ratio is 0 on padding before exp: garbage there cannot become inf, then NaN ∇
     tok_log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, L]
     log_ratio = tok_log_ratio
     count = valid.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
@@ -295,12 +292,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with torch.no_grad():
         n_tok = valid.sum()
         denom = n_tok.clamp(min=1).float()
-        metrics = {
-            "clip_low": (surr.clip_low & valid).sum() / denom,
-            "clip_high": (surr.clip_high & valid).sum() / denom,
-            "ratio": torch.where(valid, ratios.ratio, 0.0).sum() / denom,
-            "tokens": n_tok.float(),
-        }
+        metrics = {"clip_low": (surr.clip_low & valid).sum() / denom,
+                   "clip_high": (surr.clip_high & valid).sum() / denom,
+                   "ratio": torch.where(valid, ratios.ratio, 0.0).sum() / denom,
+                   "tokens": n_tok.float()}
         metrics.update({k: (m & valid).sum() / denom for k, m in surr.extra.items()})
         if beta > 0:
             metrics["kl"] = torch.where(valid, kl, 0.0).sum() / denom
@@ -347,9 +342,8 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
         raise ValueError(f"tis level {level!r} / mode {mode!r} / cap {cap}: "
                          f"use {TIS_LEVELS} / {TIS_MODES} / >= 1")
     if old_logp.shape != sampler_logp.shape or mask.shape != old_logp.shape or old_logp.dim() != 2:
-        raise ValueError(f"need old_logp, sampler_logp, mask of one shape [N, L], "
-                         f"got {tuple(old_logp.shape)}, "
-                         f"{tuple(sampler_logp.shape)}, {tuple(mask.shape)}")
+        shapes = (tuple(old_logp.shape), tuple(sampler_logp.shape), tuple(mask.shape))
+        raise ValueError(f"need old_logp, sampler_logp, mask of one shape [N, L], got {shapes}")
     valid = mask != 0
     log_w = torch.where(valid, old_logp.detach().float() - sampler_logp.float(), 0.0)  # [N, L]
     if level == "sequence":
@@ -376,8 +370,7 @@ def entropy_threshold(entropy: torch.Tensor, q: float,
     pass. q = 1 keeps all."""
     if not 0 < q <= 1:
         raise ValueError(f"top-entropy q must be in (0, 1], got {q}")
-    # τ in the entropies' own dtype: a float32 τ of float64 entropies drops a tied block sitting
-    # exactly at τ
+    # τ in the entropies' own dtype: a float32 τ of float64 entropies drops a tied block at τ
     h = entropy.detach().reshape(-1)
     h = h if h.is_floating_point() else h.float()
     ok = torch.ones_like(h, dtype=torch.bool) if mask is None else (mask != 0).reshape(-1)

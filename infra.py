@@ -1,14 +1,17 @@
 """The machinery a reader of train.py can skip: processes, collectives, FSDP2, checkpoints, logging.
 
-  1. setup reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process per device; nccl on CUDA, gloo on CPU);
-     teardown leaves together, so no rank tears the process group down under a peer still working.
-  2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the run's DEVICE
-     (NCCL rejects CPU tensors; gloo accepts them, so CPU tests cannot see the mistake).
-  3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world size (one GPU
-     computes as eight do); frozen_copy: plain full weights (π_ref; the sampling copy, re-gathered lazily, one
-     parameter at a time); grad_sync: gradients reduce-scattered once per optimizer step, not per micro-batch;
-     compiled_sampling: whether generate runs the compiled decode step (train.py's cpu_compile).
-  4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only when complete.
+  1. setup reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process per device; nccl on CUDA,
+     gloo on CPU); teardown leaves together, so no rank tears the process group down under a peer
+     still working.
+  2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the
+     run's DEVICE (NCCL rejects CPU tensors; gloo accepts them, so CPU tests can't see the mistake).
+  3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world
+     size (one GPU computes as eight do); frozen_copy: plain full weights (π_ref; the sampling
+     copy, re-gathered lazily, one parameter at a time); grad_sync: gradients reduce-scattered
+     once per optimizer step, not per micro-batch; compiled_sampling: whether generate runs the
+     compiled decode step (train.py's cpu_compile).
+  4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only
+     when complete.
 The Logger (console, metrics.jsonl, W&B) lives in logger.py.
 """
 import glob
@@ -28,9 +31,9 @@ import decode
 from model import Transformer
 
 
-DEVICE = torch.device("cpu")  # the run's device, set by setup(): where every collective's tensors live
-GROUP = None  # this side's process group (async_rl.split: the trainer or the sampler ranks); None: the whole world
-TICKS = 0  # collectives this process has entered: its progress, which async_rl's beat reports to the other side
+DEVICE = torch.device("cpu")  # the run's device, set by setup(): where collectives' tensors live
+GROUP = None  # this side's group (async_rl.split: trainer or sampler ranks); None: the world
+TICKS = 0  # collectives this process has entered: the progress async_rl's beat reports
 
 
 class Proc(NamedTuple):
@@ -40,15 +43,18 @@ class Proc(NamedTuple):
 
 
 def setup(device: str = "auto", threads: int = 0) -> Proc:
-    """Join the process group torchrun describes (or run alone); device auto: cuda:LOCAL_RANK if available."""
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    """Join the process group torchrun describes (or run alone); device auto: cuda:LOCAL_RANK if
+    available."""
+    env = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in env)
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     dev = torch.device(f"cuda:{local}" if cuda else "cpu" if device in ("auto", "cuda") else device)
     if cuda:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    elif cuda and not dist.is_initialized():  # FSDP2's mixed precision on one GPU too: a 1-rank process group
+    # FSDP2's mixed precision on one GPU too: a 1-rank process group
+    elif cuda and not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     if threads:
         torch.set_num_threads(threads)
@@ -62,7 +68,8 @@ def teardown():
         dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown, where gloo's threads have aborted (SIGABRT) about 1 run in 12
+        # skip interpreter teardown, where gloo's threads have aborted (SIGABRT) about 1 run in 12
+        os._exit(0)
 
 
 def all_sum(x, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -94,8 +101,9 @@ def all_gather_list(items: list) -> list:
 
 
 def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -> list[list[int]]:
-    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with empty groups
-    to n_micro so every rank runs the same number of forward/backward passes (FSDP collectives must match)."""
+    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with
+    empty groups to n_micro so every rank runs the same number of forward/backward passes (FSDP
+    collectives must match)."""
     out, cur, longest = [], [], 0
     for i, n in enumerate(lengths):
         if cur and (len(cur) + 1) * max(longest, n) > budget:
@@ -108,9 +116,10 @@ def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -
 
 
 def rank_micro_batches(prompts: list, comps: list, budget: int) -> list[list[int]]:
-    """This rank's rows in micro-batches, longest first so that rows of similar length share one (padding costs
-    tokens; the normaliser is global, so any grouping gives the same gradient). As many as the busiest rank has:
-    a padding pass holds the pad row, index len(prompts), which the caller appends with an empty loss mask."""
+    """This rank's rows in micro-batches, longest first so that rows of similar length share one
+    (padding costs tokens; the normaliser is global, so any grouping gives the same gradient). As
+    many as the busiest rank has: a padding pass holds the pad row, index len(prompts), which the
+    caller appends with an empty loss mask."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     ordered = [lengths[i] for i in order]
@@ -119,35 +128,41 @@ def rank_micro_batches(prompts: list, comps: list, budget: int) -> list[list[int
 
 
 def add_sums(sums: dict, metrics: dict):
-    """sums[k] += metrics[k] (tensors, detached, float32): a step's metrics accumulated over its micro-batches."""
+    """sums[k] += metrics[k] (tensors, detached, float32): a step's metrics accumulated over its
+    micro-batches."""
     for k, v in metrics.items():
         sums[k] = sums.get(k, 0.0) + v.detach().float()
 
 
 def all_sum_dict(sums: dict) -> dict:
-    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log zeros)."""
+    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log
+    zeros)."""
     return dict(zip(sums, all_sum(torch.stack(list(sums.values()))))) if sums else {}
 
 
 def shard(model: Transformer, proc: Proc):
-    """FSDP2: each block, then the root; bf16 compute with fp32 gradient reduction on CUDA, fp32 on CPU (where
-    one process keeps the plain module)."""
+    """FSDP2: each block, then the root; bf16 compute with fp32 gradient reduction on CUDA, fp32 on
+    CPU (where one process keeps the plain module)."""
     if proc.world == 1 and proc.device.type != "cuda":
         return model
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if proc.device.type == "cuda" else MixedPrecisionPolicy()
-    mesh = DeviceMesh.from_group(GROUP, proc.device.type) if GROUP is not None else None  # over this side's ranks
+    cuda = proc.device.type == "cuda"
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda else MixedPrecisionPolicy()
+    # a mesh over this side's ranks (async_rl), else the world
+    mesh = DeviceMesh.from_group(GROUP, proc.device.type) if GROUP is not None else None
     for block in model.model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def full_state(model, opt=None, rank0_only=True):
-    """Unsharded model (and optimizer) state dicts, keyed by parameter names; every rank of this side calls (each
-    sharded tensor is all-gathered in turn, then moved to the CPU, so the peak extra device memory is one tensor);
-    rank0_only: only this side's rank 0 keeps them (None values on the others)."""
+    """Unsharded model (and optimizer) state dicts, keyed by parameter names; every rank of this
+    side calls (each sharded tensor is all-gathered in turn, then moved to the CPU, so the peak
+    extra device memory is one tensor); rank0_only: only this side's rank 0 keeps them (None values
+    on the others)."""
     if not dist.is_initialized():
         return model.state_dict(), opt and opt.state_dict()
-    opts, keep = dcp.StateDictOptions(), not rank0_only or dist.get_rank(GROUP) == 0  # (dcp's own rank 0 is global)
+    # keep: this side's rank 0 (dcp's own rank 0 is global)
+    opts, keep = dcp.StateDictOptions(), not rank0_only or dist.get_rank(GROUP) == 0
 
     def gather(x):
         if isinstance(x, dict):
@@ -161,18 +176,21 @@ def full_state(model, opt=None, rank0_only=True):
 
 
 def frozen_copy(model, device) -> Transformer:
-    """A plain unsharded copy in the compute dtype, bf16 on CUDA as FSDP computes (π_ref: KL 0 at the start; the
-    sampling weights: 2 bytes/param per rank, decoding outside FSDP's hooks, never a gather per token)."""
-    ref = Transformer(model.config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    """A plain unsharded copy in the compute dtype, bf16 on CUDA as FSDP computes (π_ref: KL 0 at
+    the start; the sampling weights: 2 bytes/param per rank, decoding outside FSDP's hooks, never a
+    gather per token)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ref = Transformer(model.config).to(device, dtype)
     refresh(ref, model)
     return ref.requires_grad_(False).eval()
 
 
 @torch.no_grad()
 def refresh(copy, model, lazy=False):
-    """copy ← model's weights in place (a CUDA graph on copy's tensors reads them at the same addresses), one parameter
-    at a time, cast to copy's dtype (bf16 on CUDA) before every rank all-gathers it: the extra peak memory is one
-    parameter, never the model in fp32. lazy (an optimizer step): only mark it stale. A no-op without a copy."""
+    """copy ← model's weights in place (a CUDA graph on copy's tensors reads them at the same
+    addresses), one parameter at a time, cast to copy's dtype (bf16 on CUDA) before every rank
+    all-gathers it: the extra peak memory is one parameter, never the model in fp32. lazy (an
+    optimizer step): only mark it stale. A no-op without a copy."""
     if copy is not None:
         dst = dict(copy.named_parameters())
         for name, p in model.named_parameters() if not lazy else ():  # the same order on every rank
@@ -182,68 +200,77 @@ def refresh(copy, model, lazy=False):
 
 
 def grad_sync(model, on: bool):
-    """FSDP2 reduce-scatters gradients in this backward (on) or accumulates them unsharded in fp32 (off: memory of
-    the full gradient): on for the last micro-batch of an optimizer step only. A no-op for a plain module."""
+    """FSDP2 reduce-scatters gradients in this backward (on) or accumulates them unsharded in fp32
+    (off: memory of the full gradient): on for the last micro-batch of an optimizer step only. A
+    no-op for a plain module."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(on)
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:
-    """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None: sample `model`."""
+    """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None:
+    sample `model`."""
     return frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
 
 
 def compiled_sampling(cfg) -> bool | None:
-    """generate's static for train.py's cpu_compile: True, or None (the device's default: CUDA compiled, CPU eager);
-    "auto" compiles from decode.CPU_COMPILE_RL_STEPS planned RL steps, where the compile pays (decode.py's rule),
-    except in a run timed by rl_minutes (an equal-time arm of a few minutes would spend one of them compiling)."""
-    auto = cfg.cpu_compile == "auto" and cfg.rl_steps >= decode.CPU_COMPILE_RL_STEPS and not cfg.rl_minutes
+    """generate's static for train.py's cpu_compile: True, or None (the device's default: CUDA
+    compiled, CPU eager); "auto" compiles from decode.CPU_COMPILE_RL_STEPS planned RL steps, where
+    the compile pays (decode.py's rule), except in a run timed by rl_minutes (an equal-time arm of a
+    few minutes would spend one of them compiling)."""
+    planned = cfg.rl_steps >= decode.CPU_COMPILE_RL_STEPS and not cfg.rl_minutes
+    auto = cfg.cpu_compile == "auto" and planned
     return cfg.cpu_compile == "true" or auto or None
 
 
 def sampling(copy, model):
-    """generate's module: `model`, or its copy, re-gathered if stale (every rank calls: all gather or none does)."""
+    """generate's module: `model`, or its copy, re-gathered if stale (every rank calls: all gather
+    or none does)."""
     if copy is not None and copy.stale:
         refresh(copy, model)
     return model if copy is None else copy
 
 
 def load_optimizer(model, opt, sd: dict):
-    if not dist.is_initialized():  # a full (unsharded) optimizer state dict back into this rank's optimizer
+    # a full (unsharded) optimizer state dict back into this rank's optimizer
+    if not dist.is_initialized():
         return opt.load_state_dict(sd)
     dcp.set_optimizer_state_dict(model, opt, sd, options=dcp.StateDictOptions(full_state_dict=True))
 
 
 def complete_checkpoints(out_dir: str) -> list[int]:
-    """Steps N of the step_N/ folders that hold a trainer_state.pt (written last, so the folder is whole)."""
+    """Steps N of the step_N/ folders that hold a trainer_state.pt (written last, so the folder is
+    whole)."""
     return [int(p.split("_")[-1]) for p in glob.glob(os.path.join(out_dir, "step_*"))
             if p.split("_")[-1].isdigit() and os.path.exists(os.path.join(p, "trainer_state.pt"))]
 
 
 def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
-    """(N, out_dir/step_N, its trainer_state) of the newest complete checkpoint, or (0, "", None). Rank 0 decides
-    (each rank listing its own disk could disagree) and every rank reads it: out_dir must be shared."""
+    """(N, out_dir/step_N, its trainer_state) of the newest complete checkpoint, or (0, "", None).
+    Rank 0 decides (each rank listing its own disk could disagree) and every rank reads it: out_dir
+    must be shared."""
     n = max(complete_checkpoints(out_dir), default=0)
     if dist.is_initialized():
         dist.broadcast_object_list(box := [n], src=0)
         n = box[0]
     path = os.path.join(out_dir, f"step_{n}")
-    # mmap: a tensor's pages are read when used, so a sampler rank never reads the optimizer's (fp32 Adam: 8 bytes
-    # a parameter), and the ranks of one node share the page cache instead of a copy each
+    # mmap: a tensor's pages are read when used, so a sampler rank never reads the optimizer's
+    # (fp32 Adam: 8 bytes a parameter), and the ranks of a node share one page cache
     state = n and torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False, mmap=True)
     return (n, path, state) if n else (0, "", None)
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
                     ref=None, keep: int = 0, dtype=None):
-    """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the source folder's; its
-    tokenizer and generation files, else `tokenizer`), trainer_state.pt ({"optimizer": ..., **trainer_state}) and
-    ref_model.pt when a reference model is given; keeps the newest `keep` checkpoints (0: all)."""
+    """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the
+    source folder's; its tokenizer and generation files, else `tokenizer`), trainer_state.pt
+    ({"optimizer": ..., **trainer_state}) and ref_model.pt when a reference model is given; keeps
+    the newest `keep` checkpoints (0: all)."""
     model_sd, opt_sd = full_state(model, opt)
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
-        model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)  # sharded or not
+        model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
         torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))

@@ -190,6 +190,10 @@ class Config:
         "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
         "save_dtype": ("", "float32", "bfloat16", "float16")}
 
+    @property
+    def kl_in_reward(self) -> bool:  # r_i − β Σ_t k1 before Â (credit.kl_reward), not in the loss
+        return self.kl_in == "reward" and self.beta > 0
+
     def __post_init__(self):  # tis = "auto": async_rl.py's correction once rollouts may be stale
         if self.tis == "auto":
             self.tis = "token" if self.max_staleness > 0 else "none"

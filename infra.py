@@ -14,6 +14,7 @@
      when complete.
 The Logger (console, metrics.jsonl, W&B) lives in logger.py.
 """
+import dataclasses
 import glob
 import os
 import shutil
@@ -258,6 +259,19 @@ def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
     # (fp32 Adam: 8 bytes a parameter), and the ranks of a node share one page cache
     state = n and torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False, mmap=True)
     return (n, path, state) if n else (0, "", None)
+
+
+def save_run(run, state, step: int, stage: str, opt, sched):
+    """train.py's atomic step_N/ checkpoint: the Hugging Face folder and everything resume needs
+    (train.TrainState, the scheduler, the RNG, the config, an async run's pending rollouts)."""
+    cfg = run.cfg
+    rollouts = run.link.checkpoint(state, step) if run.link and stage == "rl" else []  # async
+    trainer_state = {"rollouts": rollouts, "scheduler": sched.state_dict(), "step": step,
+                     "stage": stage, "state": dataclasses.asdict(state),
+                     "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
+    dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
+    save_checkpoint(run.proc, cfg.out_dir, step, run.model, run.task.tok, opt, trainer_state,
+                    ref=run.ref, keep=cfg.keep_ckpts, dtype=dtype)
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,

@@ -153,7 +153,8 @@ def batches(cfg: StarConfig, n: int, it: int):
 def cold_start_batch(run: train.Run, task: tasks.Task, state: train.TrainState) -> tuple[list, list]:
     """Step 0: train.py's cold-start batch (the GLOBAL batch), a seeded hint_sft_frac share of the prompts hinted."""
     cfg, ks = run.cfg, range(state.sft_cursor, state.sft_cursor + run.cfg.sft_batch_size)
-    probs, prompts, comps = train.cold_start_batch(task, state, cfg.sft_batch_size)
+    probs, prompts, comps = task.cold_start_batch(state.sft_cursor, cfg.sft_batch_size)
+    state.sft_cursor += cfg.sft_batch_size
     hinted = [random.Random(seed_of(cfg.seed, k, 8)).random() < cfg.hint_sft_frac for k in ks]
     prompts = [task.prompt_ids(dataclasses.replace(p, prompt=hint_prompt(p, cfg.task))) if h else ids
                for p, ids, h in zip(probs, prompts, hinted)]
@@ -207,7 +208,7 @@ def main(cfg: StarConfig) -> dict:
         logger.log(step, stage, {**stats, "expert/iteration": it, "time/sample_s": t1 - t0,
                                  "train/loss_mean": sum(losses) / max(1, len(losses)), "time/trained_s": trained,
                                  **results[stage]})
-        train.save(run, state, step, stage, opt, sched)
+        infra.save_run(run, state, step, stage, opt, sched)
         if infra.any_rank(0 < cfg.rl_minutes < trained / 60):  # RL's time budget
             break
     return logger.finish(results)

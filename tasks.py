@@ -304,6 +304,13 @@ class Task:
         direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
         return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}" if direct else solution
 
+    def cold_start_batch(self, first: int, B: int) -> tuple[list, list, list]:
+        """Cold-start problems first..first + B - 1 (a GLOBAL batch) -> (problems, prompt ids, target ids)."""
+        ks = range(first, first + B)
+        probs = [self.problem("sft", k)[1] for k in ks]
+        targets = [self.target_ids(self.cold_start_target(k, p)) for k, p in zip(ks, probs)]
+        return probs, [self.prompt_ids(p) for p in probs], targets
+
     def chat(self, question: str, answer: str = "") -> str:
         """The chat template's text of system_prompt (if set), the question, then the generation prompt or `answer`."""
         turns = [("system", self.cfg.system_prompt), ("user", question), ("assistant", answer)]

@@ -12,10 +12,9 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
      token advantages and weights, loss = grpo.policy_loss(log π_θ, log π_old, Â, mask, ...)
      normalised by the GLOBAL token / sequence count, so any rank or micro-batch split gives the
      same gradient; backward; clip the gradient norm; AdamW (optimizer_step); warmup + cosine.
-Every option (KL in the reward, on-policy distillation, TIS, top-entropy, Clip-/KL-Cov) is one
-named helper a reader who ignores it skips. The supervised stage (DeepSeek-R1 cold start)
-minimises grpo.sft_loss on worked solutions (sft_update). The Config: config.py; processes,
-FSDP2, checkpoints: infra.py; the sampler: rollout.py; sampler ranks (sampler_ranks): async_rl.py.
+Each option (KL in the reward, distillation, TIS, top-entropy, Clip-/KL-Cov) is a named helper
+to skip. SFT (DeepSeek-R1's cold start): sft_update. The Config: config.py; processes, FSDP2,
+checkpoints: infra.py; the sampler: rollout.py; sampler ranks (sampler_ranks): async_rl.py.
 
   python train.py                                        # the CPU demo: SFT, then DAPO
   python train.py --help                                 # every setting, its default and source
@@ -91,9 +90,8 @@ class Group:
 
 
 def build_run(cfg: Config) -> Run:
-    """Join the processes, build or load the policy (sharded; float32, its folder's dtype and
-    files kept for step_N/) and its tokenizer, and the task; completions stop at the
-    checkpoint's eos ids (our names only as a fallback)."""
+    """Join the processes, build or load the policy (sharded, float32) and its tokenizer, and the
+    task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     # link: the async run's two sides
     proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)
@@ -138,9 +136,8 @@ def make_optimizer(run: Run, lr: float, total: int):
 # ===================================================================================== 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float,
                   seed_keys, max_new_tokens: int, first: int = 0, model=None) -> list[Group]:
-    """G scored completions of each problem by `model` (default: the policy; star.py's teacher),
-    all groups on every rank in `problems` order. Rank r samples r, r + world, ...; row seeds
-    (seed_keys, first + position, sample)."""
+    """G scored completions of each problem by `model` (default: the policy), all groups on every
+    rank in `problems` order; rank r samples r, r + world, ..., seeds (seed_keys, first + j, g)."""
     cfg, proc = run.cfg, run.proc
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
@@ -148,13 +145,12 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     # every rank gathers the sampling copy, with prompts or none
     model = infra.sampling(run.sampler, run.model) if model is None else model
     groups = []
-    if not mine:
-        return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
-    ro = generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                  top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds,
-                  static=infra.compiled_sampling(cfg))
-    ids, mask, logp = ro.completion_ids.cpu(), ro.completion_mask.cpu(), ro.logprobs.cpu()
-    truncated, nonfinite = ro.truncated.cpu(), ro.nonfinite.cpu()
+    if mine:
+        ro = generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
+                      top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds,
+                      static=infra.compiled_sampling(cfg))
+        ids, mask, logp = ro.completion_ids.cpu(), ro.completion_mask.cpu(), ro.logprobs.cpu()
+        truncated, nonfinite = ro.truncated.cpu(), ro.nonfinite.cpu()
     for a, j in enumerate(mine):
         rows = range(a * G, (a + 1) * G)
         comps = [ids[r][mask[r]].tolist() for r in rows]
@@ -189,9 +185,8 @@ def outcome_rewards(cfg: Config, texts: list[str], scores: list[float]) -> list[
 
 
 def draw_problems(run: Run, state: TrainState, n: int, may_skip: int) -> tuple[list, int, int]:
-    """The next n problems of the RL stream -> (problems, drawn, skipped); prompts saturated (all
-    right or all wrong) on each of their last skip_saturated_k visits are skipped, at most
-    `may_skip` of them (more: every prompt is saturated, an error)."""
+    """The next n problems of the RL stream -> (problems, drawn, skipped), skipping at most
+    may_skip prompts saturated (all right or all wrong) on their last skip_saturated_k visits."""
     k, problems, drawn, skipped = run.cfg.skip_saturated_k, [], 0, 0
     while len(problems) < n:
         pid, p = run.task.problem("rl", state.rl_cursor)
@@ -272,20 +267,9 @@ def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.T
 
 
 # ============================================================================================ SFT
-def cold_start_batch(task: tasks.Task, state: TrainState, B: int):
-    """The next B problems of the cold-start stream -> (problems, prompt ids, target ids): the
-    GLOBAL batch."""
-    ks = range(state.sft_cursor, state.sft_cursor + B)
-    probs = [task.problem("sft", k)[1] for k in ks]
-    state.sft_cursor += B
-    targets = [task.target_ids(task.cold_start_target(k, p)) for k, p in zip(ks, probs)]
-    return probs, [task.prompt_ids(p) for p in probs], targets
-
-
 def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
-    """One optimizer step of token-mean NLL (grpo.sft_loss) on a GLOBAL batch (the same lists on
-    every rank; rank r takes rows r, r + world, ...; divided by the global token count: any rank
-    count, one gradient). star.py's too."""
+    """One optimizer step of token-mean NLL (grpo.sft_loss) on a GLOBAL batch: rank r takes rows
+    r, r + world, ..., divided by the global token count (any rank count, one gradient)."""
     proc = run.proc
     prompts, comps = prompts[proc.rank::proc.world], comps[proc.rank::proc.world]
     norm = infra.all_sum(float(sum(map(len, comps))))  # global loss tokens
@@ -325,6 +309,9 @@ class Batch:
     plan: list[list[int]]              # the micro-batches: row indices, longest rows first
     normaliser: torch.Tensor           # the loss's denominator over all ranks
 
+    def row_names(self) -> list[str]:  # "problem id/sample", the NaN guard's names for its rows
+        return [f"{self.groups[k].pid}/{i}" for k, i in self.samples] + ["pad"]
+
 
 def rank_batch(run: Run, groups: list[Group]) -> Batch:
     """This rank's whole groups, their loss mask (DAPO §3.4 overlong filtering: no loss on
@@ -345,26 +332,19 @@ def rank_batch(run: Run, groups: list[Group]) -> Batch:
                  plan, normaliser)
 
 
-def kl_in_reward(cfg: Config) -> bool:
-    return cfg.kl_in == "reward" and cfg.beta > 0
-
-
 def pass_before_update(run: Run, batch: Batch) -> list[tuple]:
-    """(log π_old, entropy, log π_ref or None) [n, L] of every micro-batch, without gradients, for
-    the options that need the whole batch before the first update: the top-entropy threshold,
-    KL in the reward, Clip-/KL-Cov (objective.whole_batch_pass). [] when none is on."""
+    """(log π_old, entropy, log π_ref or None) [n, L] of every micro-batch, no gradients, for the
+    options needing the whole batch first: top-entropy, KL in the reward, Clip-/KL-Cov; else []."""
     cfg = run.cfg
-    if cfg.top_entropy_q < 1 or cfg.cov != "none" or kl_in_reward(cfg):
+    if cfg.top_entropy_q < 1 or cfg.cov != "none" or cfg.kl_in_reward:
         return whole_batch_pass(run, policy_logprobs, batch.prompts, batch.completions, batch.plan)
     return []
 
 
 def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Â [N] of the global batch (credit.group_advantages; REINFORCE++ whitens over its loss
-    tokens), or with reward = "process" Â [N, L] (DeepSeekMath §4.1.3, credit.process_advantages):
-    each arithmetic step's reward (1 right, 0 wrong: verify.step_rewards) at the step's last
-    token, the shaped outcome reward at the last. shift [N] is added to the (outcome) rewards
-    first: −β Σ_t k1 for KL in the reward."""
+    """Â [N] of the global batch (credit.group_advantages), or with reward = "process" Â [N, L]
+    (credit.process_advantages): each step's 0/1 reward (verify.step_rewards) at its last token,
+    the shaped outcome reward at the last. shift [N] (−β Σ_t k1, KL in the reward) comes first."""
     cfg = run.cfg
     rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
     if cfg.reward != "process":  # "none": zero rewards, so Â = 0 (pure distillation)
@@ -389,12 +369,11 @@ def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None)
 
 
 def batch_advantages(run: Run, batch: Batch, before: list[tuple]) -> torch.Tensor:
-    """Â of this rank's rows, [n + 1] or [n + 1, L] (0 on the pad row), computed over the global
-    batch. KL in the reward first shifts each row's reward by −β Σ_t k1(π_old ‖ π_ref)
-    (credit.kl_reward), gathered from every rank in the global row order."""
+    """Â of this rank's rows, [n + 1] or [n + 1, L] (0 on the pad row), over the global batch;
+    KL in the reward shifts each reward by −β Σ_t k1 (credit.kl_reward), gathered in row order."""
     cfg, dev = run.cfg, run.proc.device
     shift = None
-    if kl_in_reward(cfg):
+    if cfg.kl_in_reward:
         mine = torch.zeros(len(batch.ids) + 1, device=dev)
         for (old_logp, _, ref_logp), rows in zip(before, batch.plan):
             mask = batch.mask[rows, :old_logp.shape[1]]
@@ -429,32 +408,50 @@ def token_picks(run: Run, batch: Batch, before: list[tuple], adv: torch.Tensor,
     return TokenPicks(tau, cov)
 
 
+@dataclass
+class OldPolicy:
+    """What the first epoch fixes for a micro-batch: π_old and what hangs on it."""
+    logp: torch.Tensor                      # log π_old [n, L]: π_θ before this step's update
+    teacher: distill.TeacherScores | None   # log π_T of the sampled tokens (a teacher only)
+    high_entropy: torch.Tensor | None       # top_entropy_q < 1: bool [n, L], entropy ≥ τ
+    cov_picked: torch.Tensor | None         # cov != "none": bool [n, L], Clip-/KL-Cov's tokens
+
+
+def old_policy(run: Run, batch: Batch, picks: TokenPicks, b: int, logp: torch.Tensor,
+               entropy: torch.Tensor, mask: torch.Tensor) -> OldPolicy:
+    """Micro-batch b's π_old from the first epoch's forward (logp, entropy [n, L]), the teacher's
+    log-probs (distill.teacher_logprobs) and its tokens picked over the whole batch."""
+    teacher = None
+    if run.teacher is not None:
+        teacher = distill.teacher_logprobs(run, batch.prompts, batch.completions, batch.plan[b])
+    tau = picks.entropy_threshold
+    high_entropy = None if tau is None else grpo.top_entropy_mask(entropy, mask, tau)
+    return OldPolicy(logp.detach(), teacher, high_entropy, picks.cov[b] if picks.cov else None)
+
+
 def token_advantages(run: Run, adv: torch.Tensor, rows: torch.Tensor, length: int,
-                     teacher: distill.TeacherScores | None, old_logp: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+                     old: OldPolicy, mask: torch.Tensor) -> torch.Tensor:
     """Â of a micro-batch, [n] or [n, L]; on-policy distillation adds its per-token term
     w·(log π_T − log π_old)(o_t) (distill.opd_advantage)."""
     token_adv = adv[rows, :length] if adv.dim() == 2 else adv[rows]
-    if teacher is None:
+    if old.teacher is None:
         return token_adv
-    return distill.opd_advantage(token_adv, teacher.logp, old_logp, mask, run.cfg.opd_weight)
+    return distill.opd_advantage(token_adv, old.teacher.logp, old.logp, mask, run.cfg.opd_weight)
 
 
-def token_weights(run: Run, old_logp: torch.Tensor, sampler_logp: torch.Tensor,
-                  mask: torch.Tensor, high_entropy: torch.Tensor | None,
-                  cov_picked: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
-    """grpo.policy_loss's pg_weight w_t [n, L] (None: every token 1) and TIS's metrics: truncated
-    importance sampling of the sampler/trainer mismatch (tis), times the top-entropy mask, times
-    Clip-Cov's 0 on its picked tokens."""
+def token_weights(run: Run, old: OldPolicy, sampler_logp: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+    """grpo.policy_loss's pg_weight w_t [n, L] (None: all 1) and TIS's metrics: the truncated IS
+    weight of the sampler/trainer mismatch × the top-entropy mask × Clip-Cov's 0 on its tokens."""
     cfg = run.cfg
     weight, tis = None, {}
     if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to π_old
-        weight, tis = grpo.tis_weights(old_logp, sampler_logp, mask, cfg.tis, cfg.tis_mode,
+        weight, tis = grpo.tis_weights(old.logp, sampler_logp, mask, cfg.tis, cfg.tis_mode,
                                        cfg.tis_cap)
-    if high_entropy is not None:
-        weight = high_entropy.float() if weight is None else weight * high_entropy
+    if old.high_entropy is not None:
+        weight = old.high_entropy.float() if weight is None else weight * old.high_entropy
     if cfg.cov == "clip":  # the picked tokens leave the loss (KL-Cov: |log ρ| on them instead)
-        weight = (~cov_picked).float() * (1 if weight is None else weight)
+        weight = (~old.cov_picked).float() * (1 if weight is None else weight)
     return weight, tis
 
 
@@ -467,18 +464,25 @@ def ref_logprobs(run: Run, batch: Batch, rows: list[int]) -> torch.Tensor | None
                                run.cfg.temperature)[0]
 
 
+def loss_settings(cfg: Config) -> dict:
+    """grpo.policy_loss's keywords that the Config fixes for the whole run."""
+    return dict(pg_loss=cfg.pg_loss, ratio_level=cfg.ratio_level, eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tau_pos=cfg.tau_pos,
+                tau_neg=cfg.tau_neg, kl_estimator=cfg.kl_estimator, kl_old=cfg.kl_old,
+                agg=cfg.agg, max_len=cfg.max_new_tokens)
+
+
 @dataclass
 class Tally:
-    """The step's training metrics, over its on-policy (first-epoch) micro-batches: sums
-    (token-weighted, divided by the step's loss tokens in `result`) and maxima, reduced over
-    ranks once per step."""
+    """The step's metrics over its first-epoch micro-batches: token-weighted sums (divided by the
+    loss tokens in `result`) and maxima, reduced over ranks once per step."""
     sums: dict = field(default_factory=dict)
     maxes: dict = field(default_factory=dict)
 
-    def add(self, run: Run, loss, metrics: dict, tis: dict, logp, sampler_logp, mask, entropy,
-            teacher, old_logp):
+    def add(self, run: Run, loss, metrics: dict, tis: dict, old: OldPolicy, sampler_logp, mask,
+            entropy):
         # log π_old − log μ on the sampled tokens: a scoring mismatch between sampler and trainer
-        diff = (logp.detach() - sampler_logp) * mask
+        diff = (old.logp - sampler_logp) * mask
         maxes = [("train/logprob_gap_max", diff.abs().amax())]
         if tis:
             maxes.append(("train/tis_max", tis.pop("tis_max")))
@@ -489,13 +493,21 @@ class Tally:
             "train/loss": loss, "n": n_tokens, "train/entropy": (entropy * mask).sum(),
             "train/mismatch_kl": (torch.expm1(diff) - diff).sum(),  # k3 of KL(μ‖π_old)
             **{f"train/{k}": v * n_tokens for k, v in {**metrics, **tis}.items()},
-            **(distill.metrics(run, teacher, old_logp, mask) if teacher is not None else {})})
+            **(distill.metrics(run, old.teacher, old.logp, mask) if old.teacher is not None
+               else {})})
 
     def result(self) -> dict:
         out = infra.all_sum_dict(self.sums)
         top = dict(zip(self.maxes, infra.all_max(torch.stack(list(self.maxes.values())))))
         n_tokens = out.pop("n").clamp(min=1)
         return {**{k: v / (1 if k == "train/loss" else n_tokens) for k, v in out.items()}, **top}
+
+
+def skip_update(opt, sched, stats: dict) -> dict:
+    """No group to learn from: no gradients, no update; the schedule still steps after opt."""
+    opt.step()
+    sched.step()
+    return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0, "train/lr": sched.get_last_lr()[0]}
 
 
 def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
@@ -508,18 +520,15 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     else:
         groups, stats = dynamic_sampling(run, state, step)
     t1 = time.time()
-    if not groups:  # every group had zero spread even after refills: nothing to learn from
-        opt.step()  # no gradients, so no update: the schedule still advances, as torch expects
-        sched.step()
-        return {**stats, "train/loss": 0.0, "train/grad_norm": 0.0,
-                "train/lr": sched.get_last_lr()[0]}
+    if not groups:
+        return skip_update(opt, sched, stats)
     # 3. this rank's rows; advantages (and the options' picks) over the global batch
     batch = rank_batch(run, groups)
     before = pass_before_update(run, batch)  # [] unless an option needs the whole batch
     adv = batch_advantages(run, batch, before)  # [n + 1] or [n + 1, L]
     picks = token_picks(run, batch, before, adv, step)
     # 4. μ optimizer steps on this batch, each over all micro-batches
-    old, teacher, high_entropy, tally = {}, {}, {}, Tally()
+    old, tally, settings = {}, Tally(), loss_settings(cfg)
     for epoch in range(cfg.ppo_epochs):
         losses = []  # this epoch's micro-batch losses, for the NaN guard
         for b, rows in enumerate(batch.plan):
@@ -529,32 +538,21 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             mask, sampler_logp = batch.mask[r, :length], batch.sampler_logp[r, :length]
             ref = ref_logprobs(run, batch, rows)
             if epoch == 0:  # π_old: π_θ before this step's first update, and what hangs on it
-                old[b] = logp.detach()
-                teacher[b] = distill.teacher_logprobs(run, batch.prompts, batch.completions,
-                                                      rows) if run.teacher is not None else None
-                high_entropy[b] = None if picks.entropy_threshold is None else \
-                    grpo.top_entropy_mask(entropy, mask, picks.entropy_threshold)
-            token_adv = token_advantages(run, adv, r, length, teacher[b], old[b], mask)
-            weight, tis = token_weights(run, old[b], sampler_logp, mask, high_entropy[b],
-                                        picks.cov[b] if picks.cov else None)
+                old[b] = old_policy(run, batch, picks, b, logp, entropy, mask)
+            token_adv = token_advantages(run, adv, r, length, old[b], mask)
+            weight, tis = token_weights(run, old[b], sampler_logp, mask)
+            kl_cov = cfg.cov_kl_coef * old[b].cov_picked.float() if cfg.cov == "kl" else None
             loss, metrics = grpo.policy_loss(
-                logp, old[b], token_adv, mask,
-                pg_loss=cfg.pg_loss, ratio_level=cfg.ratio_level, eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tau_pos=cfg.tau_pos,
-                tau_neg=cfg.tau_neg, pg_weight=weight,
-                ref_logp=ref, beta=cfg.beta * (ref is not None), kl_estimator=cfg.kl_estimator,
-                kl_old=cfg.kl_old,
-                abs_kl=cfg.cov_kl_coef * picks.cov[b].float() if cfg.cov == "kl" else None,
-                agg=cfg.agg, max_len=cfg.max_new_tokens, loss_scale=batch.normaliser)
+                logp, old[b].logp, token_adv, mask, pg_weight=weight, ref_logp=ref,
+                beta=cfg.beta * (ref is not None), abs_kl=kl_cov, loss_scale=batch.normaliser,
+                **settings)
             infra.grad_sync(run.model, b == len(batch.plan) - 1)  # reduce once per optimizer step
             (loss * world).backward()  # FSDP averages gradients over ranks: undo it
             losses.append(loss.detach())
             if epoch == 0:  # log the on-policy epoch
-                tally.add(run, loss, metrics, tis, logp, sampler_logp, mask, entropy, teacher[b],
-                          old[b])
+                tally.add(run, loss, metrics, tis, old[b], sampler_logp, mask, entropy)
         gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # NaN anywhere: all skip
-        row_names = [f"{groups[k].pid}/{i}" for k, i in batch.samples] + ["pad"]
-        guard.name_bad_rows(step, run.proc.rank, losses, batch.plan, row_names)
+        guard.name_bad_rows(step, run.proc.rank, losses, batch.plan, batch.row_names())
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
     trained = tally.result()
     tokens = infra.all_sum(float(sum(map(len, batch.completions[:-1]))))
@@ -580,10 +578,9 @@ def eval_row(g: Group, s: Group, k: int) -> dict:
 
 def evaluate(run: Run, step: int, logger: Logger | None = None,
              samples: list | None = None) -> dict:
-    """Greedy pass@1, sampled pass@1 at the training temperature, maj@k, length, answer and
-    truncation rates, per level too, in chunks of eval_batch problems (a progress line after each
-    of a long eval). A `samples` list receives one record per completion: the prompt text as
-    tokenized, completion, extracted answer, gold, correct, truncated."""
+    """Greedy and sampled pass@1, maj@k, length, answer and truncation rates, per level too, in
+    chunks of eval_batch problems. A `samples` list receives one record per completion: the
+    prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
     cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
     if run.link:  # async: no weight broadcast pending while this rank samples (async_rl.py)
         run.link.settle()
@@ -623,18 +620,6 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
 
 
 # =========================================================================================== loop
-def save(run: Run, state: TrainState, step: int, stage: str, opt, sched):
-    """An atomic step_N/ checkpoint: the Hugging Face folder and everything resume needs."""
-    cfg = run.cfg
-    rollouts = run.link.checkpoint(state, step) if run.link and stage == "rl" else []  # async
-    trainer_state = {"rollouts": rollouts, "scheduler": sched.state_dict(), "step": step,
-                     "stage": stage, "state": dataclasses.asdict(state),
-                     "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
-    dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
-    infra.save_checkpoint(run.proc, cfg.out_dir, step, run.model, run.task.tok, opt, trainer_state,
-                          ref=run.ref, keep=cfg.keep_ckpts, dtype=dtype)
-
-
 def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total: int, saved,
                 state: TrainState):
     """A fresh AdamW and LR schedule for the stage (restored mid-stage on resume); RL also
@@ -679,7 +664,8 @@ def main(cfg: Config) -> dict:
             stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()
             opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state)
         if stage == "sft":
-            _, prompts, comps = cold_start_batch(run.task, state, cfg.sft_batch_size)
+            _, prompts, comps = run.task.cold_start_batch(state.sft_cursor, cfg.sft_batch_size)
+            state.sft_cursor += cfg.sft_batch_size
             rec = sft_update(run, opt, sched, prompts, comps)
         else:
             rec = rl_step(run, opt, sched, state, step)
@@ -701,7 +687,7 @@ def main(cfg: Config) -> dict:
                 results[stage] = ev
         at_ckpt = cfg.ckpt_every and step % cfg.ckpt_every == 0 or step == total
         if at_ckpt and state.bad_steps == 0:
-            save(run, state, step, stage, opt, sched)
+            infra.save_run(run, state, step, stage, opt, sched)
         if stop:
             break
     if run.link:

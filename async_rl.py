@@ -6,11 +6,9 @@ Versions. π_v is the policy after optimizer step v; v0 is the RL stage's start 
 rollouts of RL step s are sampled with π_v, v = max(v0, s − 1 − K) exactly, so their staleness (optimizer steps
 between the sampling weights and π_old) is s − 1 − v ≤ K, asserted on every batch. K = 0 is the synchronous loop
 (same weights, seeds, numbers). The version is a function of s, never of timing: runs reproduce and resume exactly.
-  1. At the RL stage's start the trainer leader (global rank k) posts a header in the store (the TrainState, the
-     version, the steps allowed) and broadcasts π_v0 to the samplers.
-  2. The samplers sample each allowed step with dynamic sampling over the sampler ranks (train.dynamic_sampling);
-     the sampler leader (rank 0) puts (step, version, groups, stats, TrainState after it) in the store, pickled in
-     chunks; every trainer reads it there.
+  1. At the RL stage's start the trainer leader (global rank k) sends π_v0 as in 3, the TrainState in its header.
+  2. The samplers sample each allowed step (train.dynamic_sampling over the sampler ranks); their leader (rank 0) puts
+     (step, version, groups, stats, TrainState after it) in the store in chunks; every trainer reads it there.
   3. After optimizer step s the trainers gather the weights (infra.sampling); the leader posts the header (version
      s, steps allowed up to s + 1 + K), then broadcasts the weights in BUCKET_BYTES buckets over a group of its own
      (the leader and the samplers). A sampler takes the next header once it has sampled every step allowed so far.
@@ -69,7 +67,8 @@ def split(proc: infra.Proc, cfg) -> tuple[infra.Proc, "Link | None"]:
     trains = proc.rank >= k
     infra.GROUP = groups[int(trains)]
     side = infra.Proc(proc.rank - k if trains else proc.rank, world - k if trains else k, proc.device)
-    return side, Link(cfg, side, trains, weights=groups[2])
+    wire = Wire(cfg, proc.rank, "trainer" if trains else "sampler", 0 if trains else k)  # peer: the other side's leader
+    return side, TrainerLink(cfg, side, wire, groups[2]) if trains else SamplerLink(wire, groups[2])
 
 
 class _CPUOnly(pickle.Pickler):
@@ -141,6 +140,12 @@ class Wire:
             time.sleep(nap)
             nap = min(2 * nap, 0.01)
 
+    def collective(self, fn, what: str):
+        try:
+            return fn()
+        except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout
+            self.fail(f"{what} failed (the other side died or timed out)", e)
+
     def put(self, key: str, obj):
         """obj pickled (CPU tensors only) in chunks under key/0, key/1, ..., then key = their count (set last)."""
         buf = io.BytesIO()
@@ -161,43 +166,49 @@ class Wire:
         return obj
 
 
-class Link:
-    """One side's end of the two channels: rollouts (sampler leader → every trainer, through the store) and
-    weights with their headers (trainer leader → samplers: headers in the store, weights over the `weights` group)."""
+def buckets(model) -> list[list[torch.Tensor]]:
+    """The parameters in named_parameters order (the same on both sides), cut into buckets of BUCKET_BYTES."""
+    out, size = [[]], 0
+    for p in model.parameters():
+        if out[-1] and size + p.numel() * p.element_size() > BUCKET_BYTES:
+            out, size = out + [[]], 0
+        out[-1].append(p)
+        size += p.numel() * p.element_size()
+    return out
 
-    def __init__(self, cfg, proc: infra.Proc, trains: bool, weights):
-        self.K, self.timeout, self.proc, self.trains, self.weights = cfg.max_staleness, cfg.collective_timeout, \
-            proc, trains, weights
-        self.leader = cfg.sampler_ranks  # the trainer leader's global rank: the broadcasts' source
-        rank = proc.rank + (cfg.sampler_ranks if trains else 0)  # global rank
-        self.trainers = dist.get_world_size() - cfg.sampler_ranks
-        self.wire = Wire(cfg, rank, "trainer" if trains else "sampler", 0 if trains else cfg.sampler_ranks)
+
+class SamplerLink:
+    """A sampler's end: the trainer leader's headers (store) and weights (`weights` group) in; rollouts out (put)."""
+    trains = False
+
+    def __init__(self, wire: Wire, weights):
+        self.wire, self.weights, self.heads = wire, weights, 0
+
+    def receive_weights(self, model) -> dict:
+        """The next header, and the weights it announces copied in place (CUDA graphs keep addresses)."""
+        head = pickle.loads(self.wire.wait_key(f"head/{self.heads}", "a weight header"))
+        self.heads += 1
+        for b in buckets(model) if head.get("weights") else []:
+            flat = torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+            self.wire.collective(lambda: dist.broadcast(flat, self.wire.peer, self.weights), "receiving the weights")
+            for p, x in zip(b, flat.split([p.numel() for p in b])):
+                p.data.copy_(x.view_as(p))
+        return head
+
+
+class TrainerLink:
+    """A trainer's end: rollouts in (store; every trainer reads them); headers and weights out, from the leader."""
+    trains = True
+
+    def __init__(self, cfg, proc: infra.Proc, wire: Wire, weights):
+        self.K, self.proc, self.wire, self.weights = cfg.max_staleness, proc, wire, weights
         self.heads, self.pending, self.works, self.settled_s = 0, deque(), [], 0.0
         self.allowed = self.received = 0  # the last step the samplers may sample; the last step taken from them
 
-    def collective(self, fn, what: str):
-        try:
-            return fn()
-        except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout
-            self.wire.fail(f"{what} failed (the other side died or timed out)", e)
-
-    # ----------------------------------------------------------------------------------------- weights → samplers
-    def buckets(self, model) -> list[list[torch.Tensor]]:
-        """The parameters in named_parameters order (the same on both sides), cut into buckets of BUCKET_BYTES."""
-        out, size = [[]], 0
-        for p in model.parameters():
-            if out[-1] and size + p.numel() * p.element_size() > BUCKET_BYTES:
-                out.append([])
-                size = 0
-            out[-1].append(p)
-            size += p.numel() * p.element_size()
-        return out
-
     def publish(self, run, version: int, last: int, state=None, rollouts=None, group_cls=None):
-        """Trainers, after optimizer step `version` (every trainer rank calls: the gather is collective): allow
-        steps up to min(version + 1 + K, last) and post π_v, unless no new step is allowed (the run's last K + 1
-        steps: the samplers would never use it). With `state` (the RL stage's start): the header carries it, and
-        `rollouts` (a checkpoint's) are queued, so the samplers start after them."""
+        """After optimizer step `version` (every rank: the gather is collective): allow steps up to min(version + 1
+        + K, last) and post π_v, unless no new step is allowed (the last K + 1 steps: no sampler would use it). With
+        `state` (the RL stage's start): the header carries it; `rollouts` (a checkpoint's) are queued first."""
         self.wire.step = version
         if state is not None:
             self.pending = deque(dict(m, groups=[group_cls(**g) for g in m["groups"]]) for m in rollouts or [])
@@ -210,44 +221,31 @@ class Link:
             return
         self.settle("the previous weight broadcast")  # its buffers go before the next are built
         self.post(head)  # the header first: a sampler joins the broadcasts once it reads it
-        for flat in [torch.cat([p.detach().reshape(-1) for p in b]) for b in self.buckets(model)] if model else []:
-            self.works.append(self.collective(
-                lambda: dist.broadcast(flat, self.leader, group=self.weights, async_op=True), "posting the weights"))
+        for flat in [torch.cat([p.detach().reshape(-1) for p in b]) for b in buckets(model)] if model else []:
+            self.works.append(self.wire.collective(
+                lambda: dist.broadcast(flat, self.wire.rank, group=self.weights, async_op=True), "posting the weights"))
 
     def settle(self, what: str = "the last weight broadcast"):
-        """Trainer leader: the weight broadcasts posted last have reached the samplers; their buffers are freed.
-        Called before the next publish, an evaluation and a checkpoint (no broadcast pending under either)."""
+        """Waits for the leader's last weight broadcasts to the samplers and frees them: before publish, eval, save."""
         t0 = time.time()
         for w in self.works:
-            self.collective(lambda: w.wait(timedelta(seconds=self.timeout)), what)
+            self.wire.collective(lambda: w.wait(timedelta(seconds=self.wire.hung_s)), what)
         self.works, self.settled_s = [], self.settled_s + time.time() - t0  # idle: the next take's wait
 
     def post(self, head: dict):
         self.wire.store.set(f"head/{self.heads}", pickle.dumps(head))
         self.heads += 1
 
-    def receive_weights(self, model) -> dict:
-        """Samplers: the next header, and the weights it announces copied in place (CUDA graphs keep addresses)."""
-        head = pickle.loads(self.wire.wait_key(f"head/{self.heads}", "a weight header"))
-        self.heads += 1
-        for b in self.buckets(model) if head.get("weights") else []:
-            flat = torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-            self.collective(lambda: dist.broadcast(flat, self.leader, group=self.weights), "receiving the weights")
-            for p, x in zip(b, flat.split([p.numel() for p in b])):
-                p.data.copy_(x.view_as(p))
-        return head
-
-    # ----------------------------------------------------------------------------------------- rollouts → trainers
     def receive(self, state) -> dict:
-        """Trainers: the next step's rollouts; the samplers' TrainState after them becomes ours (it is checkpointed)."""
+        """The next step's rollouts; the samplers' TrainState after them becomes ours (it is checkpointed)."""
         self.received += 1
-        msg = self.wire.get(f"roll/{self.received}", f"the rollouts of step {self.received}", self.trainers)
+        msg = self.wire.get(f"roll/{self.received}", f"the rollouts of step {self.received}", self.proc.world)
         state.rl_cursor, state.pass_history = msg["state"]["rl_cursor"], msg["state"]["pass_history"]
         return msg
 
     def take(self, state, step: int) -> tuple[list, dict]:
-        """Trainers: (groups, stats) of RL step `step`, with its staleness (asserted ≤ K) and both sides' times (the
-        trainer's wait: for these rollouts, and for the broadcasts settled since the last take)."""
+        """(groups, stats) of RL step `step`, with its staleness (asserted ≤ K) and both sides' times (the trainer's
+        wait: for these rollouts, and for the broadcasts settled since the last take)."""
         self.wire.step, t0 = step, time.time()
         msg = self.pending.popleft() if self.pending else self.receive(state)
         waited, stale, self.settled_s = time.time() - t0 + self.settled_s, step - 1 - msg["version"], 0.0
@@ -259,15 +257,15 @@ class Link:
                                "time/sample_tok_per_s": msg["tokens"] / max(msg["sample_s"], 1e-9)}
 
     def checkpoint(self, state, step: int) -> list[dict]:
-        """Trainers, at step `step`'s checkpoint: the rollouts of steps step + 1 .. step + K, taken now (state follows
-        them; a resume starts the samplers after them), as plain dicts."""
+        """At step `step`'s checkpoint: the rollouts of steps step + 1 .. step + K, taken now (state follows them; a
+        resume starts the samplers after them), as plain dicts."""
         self.settle()
         while self.received < min(step + self.K, self.allowed):
             self.pending.append(self.receive(state))
         return [dict(m, groups=[vars(g) for g in m["groups"]]) for m in self.pending]
 
     def stop(self, state):
-        """Trainers: take the allowed rollouts not yet taken (a clocked stage ends early), then stop the samplers."""
+        """Take the allowed rollouts not yet taken (a clocked stage ends early), then stop the samplers."""
         while self.received < self.allowed:
             self.receive(state)
         if self.proc.rank == 0:
@@ -275,11 +273,13 @@ class Link:
             self.post({"stop": True})
 
 
+Link = SamplerLink | TrainerLink  # split's answer on this rank: the end of the link its side holds
+
+
 def sampler_loop(run, state, draw) -> dict:
     """A sampler rank's run: sample every allowed step with the newest weights it was sent (draw =
     train.dynamic_sampling) until told to stop. Its idle time (wait_s): everything between two steps' sampling."""
-    link = run.link
-    head = link.receive_weights(run.model)
+    link, head = run.link, run.link.receive_weights(run.model)
     if head.get("stop"):  # no RL stage (rl_steps = 0, or a resume of a finished run): nothing to sample
         return {}
     vars(state).update(head["state"])

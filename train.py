@@ -421,9 +421,8 @@ def old_policy(run: Run, batch: Batch, picks: TokenPicks, b: int, logp: torch.Te
                entropy: torch.Tensor, mask: torch.Tensor) -> OldPolicy:
     """Micro-batch b's π_old from the first epoch's forward (logp, entropy [n, L]), the teacher's
     log-probs (distill.teacher_logprobs) and its tokens picked over the whole batch."""
-    teacher = None
-    if run.teacher is not None:
-        teacher = distill.teacher_logprobs(run, batch.prompts, batch.completions, batch.plan[b])
+    teacher = (None if run.teacher is None
+               else distill.teacher_logprobs(run, batch.prompts, batch.completions, batch.plan[b]))
     tau = picks.entropy_threshold
     high_entropy = None if tau is None else grpo.top_entropy_mask(entropy, mask, tau)
     return OldPolicy(logp.detach(), teacher, high_entropy, picks.cov[b] if picks.cov else None)
@@ -537,7 +536,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             r, length = torch.tensor(rows, device=dev), logp.shape[1]
             mask, sampler_logp = batch.mask[r, :length], batch.sampler_logp[r, :length]
             ref = ref_logprobs(run, batch, rows)
-            if epoch == 0:  # π_old: π_θ before this step's first update, and what hangs on it
+            if epoch == 0:  # π_old = π_θ before the update: ρ = 1, the clip binds from epoch 2
                 old[b] = old_policy(run, batch, picks, b, logp, entropy, mask)
             token_adv = token_advantages(run, adv, r, length, old[b], mask)
             weight, tis = token_weights(run, old[b], sampler_logp, mask)

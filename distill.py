@@ -37,7 +37,7 @@ import infra
 from cli import UserError
 from decode import filter_logits
 from model import Transformer, load_tokenizer
-from rollout import LOGITS_PER_CHUNK, generate, pad_batch, score
+from rollout import LOGITS_PER_CHUNK, completion_logprobs, generate, pad_batch
 
 EXACT_KL_MAX_V = 2048  # exact full-vocabulary KL per micro-batch only up to this vocabulary (memory ~ tokens × V)
 
@@ -57,7 +57,7 @@ def load_teacher(cfg, student_tok, device) -> Transformer | None:
     return Transformer.from_pretrained(cfg.teacher, device=device, dtype=dtype).requires_grad_(False).eval()
 
 
-class TeacherScores(NamedTuple):
+class TeacherLogProbs(NamedTuple):
     """What one teacher forward gives a micro-batch of epoch 0 (later epochs reuse it)."""
     logp: torch.Tensor                  # log π_T(o_t | q, o_<t) [n, L] float32, 0 past a row's length
     kl_exact: torch.Tensor | None       # Σ_v π_old(v) log(π_old(v)/π_T(v)) [n, L] (V ≤ EXACT_KL_MAX_V), else None
@@ -70,9 +70,9 @@ def exact_ok(run) -> bool:
 
 
 def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: int, top_p: float):
-    """score()'s forward with the whole log softmax of the sampling distribution at each of the M completion tokens:
-    (log π [M, V] float32, their targets [M], valid [n, L]). The LM head runs in score()'s chunks on the same hidden
-    states, so log π[target] is bitwise score()'s log-prob; memory M × V, for small vocabularies only."""
+    """completion_logprobs()'s forward with the whole log softmax of the sampling distribution at each of the M completion tokens:
+    (log π [M, V] float32, their targets [M], valid [n, L]). The LM head runs in completion_logprobs()'s chunks on the same hidden
+    states, so log π[target] is bitwise completion_logprobs()'s log-prob; memory M × V, for small vocabularies only."""
     dev = model.model.embed_tokens.weight.device
     ids = pad_batch(comps).to(dev)                                                             # [n, L]
     n, L = ids.shape
@@ -80,7 +80,7 @@ def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: 
     pos = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1 + torch.arange(L, device=dev)  # [n, L]
     seqs = pad_batch([p + c for p, c in zip(prompts, ids.tolist())]).to(dev)                  # [n, S + L]
 
-    def head(h, w):  # h [n, T - 1, C] -> [M, V], in the chunks of score()'s HeadLogProbs
+    def head(h, w):  # h [n, T - 1, C] -> [M, V], in the chunks of completion_logprobs()'s HeadLogProbs
         hs = h[torch.arange(n, device=dev)[:, None], pos][valid]                                # [M, C]
         chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])
         return torch.cat([filter_logits(F.linear(hs[i:i + chunk], w), temperature, top_k, top_p).log_softmax(-1)
@@ -88,14 +88,14 @@ def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: 
     return model(seqs[:, :-1], head=head), ids[valid], valid
 
 
-def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> TeacherScores:
+def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> TeacherLogProbs:
     """Steps 1 and 3 for the rows of a micro-batch, no gradient: log π_T at the sampling temperature without
     top-k/top-p, and, when exact_ok, the exact KL from the same teacher forward's full log softmax beside π_old's
     (the student's at the sampling settings)."""
     ps, cs, cfg, dev = [prompts[i] for i in rows], [comps[i] for i in rows], run.cfg, run.proc.device
     with torch.no_grad(), torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
         if not exact_ok(run):
-            return TeacherScores(score(run.teacher, ps, pad_batch(cs).to(dev), cfg.temperature,
+            return TeacherLogProbs(completion_logprobs(run.teacher, ps, pad_batch(cs).to(dev), cfg.temperature,
                                        lengths=[len(c) for c in cs])[0], None)
         lt, targets, valid = full_logprobs(run.teacher, ps, cs, cfg.temperature, 0, 1.0)          # [M, V]
         # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad
@@ -103,7 +103,7 @@ def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> Teache
         ls = full_logprobs(infra.sampling(run.sampler, run.model), ps, cs, cfg.temperature, cfg.top_k, cfg.top_p)[0]
     kl = (ls.exp() * (ls - lt)).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)  # a filtered token: 0 · (−inf) adds 0
     zeros = lt.new_zeros(valid.shape)
-    return TeacherScores(zeros.masked_scatter(valid, lt.gather(-1, targets[:, None])[:, 0]),
+    return TeacherLogProbs(zeros.masked_scatter(valid, lt.gather(-1, targets[:, None])[:, 0]),
                          zeros.masked_scatter(valid, kl.clamp(min=0)))
 
 
@@ -121,7 +121,7 @@ def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch
     return base + weight * gap
 
 
-def metrics(run, teacher: TeacherScores | None, old_logp, mask) -> dict:
+def metrics(run, teacher: TeacherLogProbs | None, old_logp, mask) -> dict:
     """Token sums for train.rl_step's log (it divides by the token count): the sampled-token reverse-KL estimate and,
     for small vocabularies, the exact one (step 3). {} without a teacher."""
     if teacher is None:

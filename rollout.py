@@ -21,7 +21,7 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      stop when no row is live or after max_new_tokens, with the same tokens and log-probs. A row whose logits are
      not finite ends there (Rollout.nonfinite).
 
-Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. score() is
+Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised. completion_logprobs() is
 generate's twin on the trainer side: one causal forward over prompt + completion, the same filter_logits, so the
 trainer's π (and π_old) of a token is the sampler's, and the importance ratio π/π_old starts at 1 (sampling at
 T = 0.7 and training on the raw softmax is a known bug). Greedy (T = 0) takes the argmax of the raw logits and
@@ -49,7 +49,7 @@ MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, dow
 MAX_ROWS = 512     # static decoding: a larger call runs in chunks of whole prompts (static buffers < 2 x 512 rows)
 WIDTH_STEP = {"cuda": 128}  # static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA
                             # graph per width), exactly the filled slots elsewhere (no graphs to record)
-LOGITS_PER_CHUNK = {"cuda": 2 ** 26}  # score()'s LM-head blocks: 32 MB elsewhere (measured faster than 8 or 128 on
+LOGITS_PER_CHUNK = {"cuda": 2 ** 26}  # completion_logprobs()'s LM-head blocks: 32 MB elsewhere (measured faster than 8 or 128 on
                                      # CPU), 256 MB on CUDA (441 rows at V = 151,936: GEMMs large enough for the GPU)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
@@ -139,7 +139,7 @@ class HeadLogProbs(torch.autograd.Function):
         return gh, gw.to(w.dtype), None, None, None, None, None
 
 
-def score(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float, top_k: int = 0,
+def completion_logprobs(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float, top_k: int = 0,
           top_p: float = 1.0, lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """generate's twin for the trainer: comps [n, L] (right-padded; `lengths` real tokens per row, default all L)
     after their prompts -> (log π(o_t | q, o_<t) [n, L] float32, differentiable, 0 past a row's length; the entropy

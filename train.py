@@ -49,7 +49,7 @@ import templates
 import verify
 from logger import Logger
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
-from rollout import STOP_NAMES, generate, pad_batch, score
+from rollout import STOP_NAMES, completion_logprobs, generate, pad_batch
 
 
 @dataclass
@@ -250,8 +250,9 @@ def policy_logprobs(run: Run, model, prompts: list, comps: list, rows: list[int]
     autocast on CUDA."""
     completions, dev = [comps[i] for i in rows], run.proc.device
     with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-        return score(model, [prompts[i] for i in rows], pad_batch(completions).to(dev), temperature,
-                     run.cfg.top_k, run.cfg.top_p, lengths=[len(c) for c in completions])
+        return completion_logprobs(model, [prompts[i] for i in rows], pad_batch(completions).to(dev),
+                                   temperature, run.cfg.top_k, run.cfg.top_p,
+                                   lengths=[len(c) for c in completions])
 
 
 def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.Tensor:
@@ -430,7 +431,7 @@ def token_picks(run: Run, batch: Batch, before: list[tuple], adv: torch.Tensor,
 
 
 def token_advantages(run: Run, adv: torch.Tensor, rows: torch.Tensor, length: int,
-                     teacher: distill.TeacherScores | None, old_logp: torch.Tensor,
+                     teacher: distill.TeacherLogProbs | None, old_logp: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
     """Â of a micro-batch, [n] or [n, L]; on-policy distillation adds its per-token term
     w·(log π_T − log π_old)(o_t) (distill.opd_advantage)."""

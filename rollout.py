@@ -225,12 +225,10 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     group = (rows.clamp(max=N - 1) // G)                                                      # [B] prompt of a row
     noise = uniform(mix64(seeds[rows.clamp(max=N - 1), None] + torch.arange(1, L + 1, device=dev) * MIX1))  # [B, L]
 
-    def outputs():  # ids, log-probs, mask [R + 1, L], non-finite logit rows met [R + 1]
-        return None, [torch.empty(R + 1, Lc, dtype=t, device=dev) for t in (torch.long, torch.float, torch.bool)] \
-            + [torch.empty(R + 1, dtype=torch.long, device=dev)]
-    out = (decode.persistent(model, "out", outputs) if static else outputs())[1]
-    for buf, v in zip(out, (pad_id, 0.0, False, 0)):
-        buf.fill_(v)
+    def outputs():  # [R + 1, ...]: row N takes the writes of a static batch's padding rows
+        return decode.Outputs.empty(R + 1, Lc, dev)
+    out = decode.persistent(model, "out", outputs) if static else outputs()
+    out.clear(pad_id)
     ids = sorted(set(stop_ids))
     stop = torch.tensor(ids + [-1] * (2 - len(ids)), dtype=torch.long, device=dev)  # >= 2 ids: no branch, no 0/1
     d = Decoder(cache, *[None] * 4, rows.new_zeros(()), out, stop, (temperature, top_k, top_p, pad_id))  # t=0 and co.
@@ -256,10 +254,10 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
         if static:  # attend over the filled slots rounded up to a chunk: a CUDA graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
         run(model, d)                                                                        # 3-4. token t
-    ids, lp, mask = (x[:N, :L] for x in out[:3])
+    ids, lp, mask = (x[:N, :L] for x in (out.ids, out.logprobs, out.mask))
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token
-    nonfinite = out[3][:N] > 0
+    nonfinite = out.nonfinite[:N] > 0
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev).index_put_((d.rows,), d.live)[:N]
     return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), live | nonfinite, lengths, seeds,
                    nonfinite)

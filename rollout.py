@@ -62,7 +62,7 @@ STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 class Rollout:
     completion_ids: torch.Tensor   # [N, L] long, pad_id after the stop token
     completion_mask: torch.Tensor  # [N, L] bool, True on generated tokens, the stop token included
-    logprobs: torch.Tensor         # [N, L] float32, log-prob under the sampling distribution
+    logprobs: torch.Tensor         # [N, L] float32, log-prob under the sampled π; 0 on padding
     truncated: torch.Tensor        # [N] bool, no stop token within max_new_tokens (or not finite)
     lengths: torch.Tensor          # [N] long, generated tokens per row (completion_mask.sum(1))
     seeds: torch.Tensor            # [N] long; seed=seeds[r:r+1] regenerates row r alone
@@ -159,15 +159,15 @@ def completion_forward(model, prompts: list[list[int]], comps: torch.Tensor, len
     n, L = comps.shape
     lens = torch.tensor(lengths if lengths is not None else [L] * n, device=dev)
     valid = torch.arange(L, device=dev) < lens[:, None]                                 # [n, L]
-    # completion token t of a row is predicted at position len(prompt) - 1 + t
-    first = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1            # [n, 1]
-    pos = first + torch.arange(L, device=dev)                                            # [n, L]
+    first = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1  # [n, 1] predicts o_0
+    pos = first + torch.arange(L, device=dev)                                  # [n, L] predicts o_t
     seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev)           # [n, T]
     targets = comps.to(dev)[valid]                                                       # [M]
 
     def at_completions(h, w):  # h [n, T - 1, C] -> head of the M completion positions' [M, C]
         chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])  # float32 blocks
-        return head(h[torch.arange(n, device=dev)[:, None], pos][valid], w, targets, chunk)
+        hs = h[torch.arange(n, device=dev)[:, None], pos][valid]                         # [M, C]
+        return head(hs, w, targets, chunk)
     return model(seqs[:, :-1], head=at_completions), targets, valid
 
 

@@ -1,12 +1,12 @@
-"""On-policy distillation (OPD): a frozen teacher scores every token the student sampled, and the student moves toward
-it on its own trajectories, beside (or instead of) the verifier's reward.
+"""On-policy distillation (OPD): a frozen teacher gives its log-prob of every token the student sampled, and the
+student moves toward it on its own trajectories, beside (or instead of) the verifier's reward.
 
 The student π_θ samples o ~ π_θ(·|q) as in every RL step; the teacher π_T (its own Hugging Face folder, any size,
-the same vocabulary) scores the sampled tokens. The objective is the reverse KL to the teacher on the student's own
-states, KL(π_θ‖π_T) = E_{o~π_θ} Σ_t log π_θ(o_t|q, o_<t) − log π_T(o_t|q, o_<t) (GKD, Agarwal et al. 2024, its
-on-policy reverse-KL case; Thinking Machines, "On-Policy Distillation", 2025). Implemented as they do, a per-token
-advantage with discount 0 (each token's own log-ratio, no sum over later tokens):
-  1. score the completions under π_T (no gradient, at the sampling temperature, no top-k/top-p filter: a token the
+the same vocabulary) gives its log-probs of the sampled tokens. The objective is the reverse KL to the teacher on
+the student's own states, KL(π_θ‖π_T) = E_{o~π_θ} Σ_t log π_θ(o_t|q, o_<t) − log π_T(o_t|q, o_<t) (GKD, Agarwal
+et al. 2024, its on-policy reverse-KL case; Thinking Machines, "On-Policy Distillation", 2025). Implemented as they
+do, a per-token advantage with discount 0 (each token's own log-ratio, no sum over later tokens):
+  1. log π_T of the completions (no gradient, at the sampling temperature, no top-k/top-p filter: a token the
      student's filter kept must have a finite teacher log-prob) once per batch, micro-batch by micro-batch;
   2. Â_t ← Â_t + w · (log π_T(o_t) − log π_old(o_t)), Â_t the verifier's advantage (0 with reward = "none":
      pure distillation), then the usual grpo.policy_loss. At ratio 1 its gradient is w Σ_t (log π_T − log π_θ)(o_t)
@@ -31,13 +31,11 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 import infra
 from cli import UserError
-from decode import filter_logits
 from model import Transformer, load_tokenizer
-from rollout import LOGITS_PER_CHUNK, generate, pad_batch, score
+from rollout import completion_log_softmax, completion_logprobs, generate, pad_batch
 
 EXACT_KL_MAX_V = 2048  # exact full-vocabulary KL per micro-batch only up to this vocabulary (memory ~ tokens × V)
 
@@ -57,7 +55,7 @@ def load_teacher(cfg, student_tok, device) -> Transformer | None:
     return Transformer.from_pretrained(cfg.teacher, device=device, dtype=dtype).requires_grad_(False).eval()
 
 
-class TeacherScores(NamedTuple):
+class TeacherLogProbs(NamedTuple):
     """What one teacher forward gives a micro-batch of epoch 0 (later epochs reuse it)."""
     logp: torch.Tensor                  # log π_T(o_t | q, o_<t) [n, L] float32, 0 past a row's length
     kl_exact: torch.Tensor | None       # Σ_v π_old(v) log(π_old(v)/π_T(v)) [n, L] (V ≤ EXACT_KL_MAX_V), else None
@@ -69,42 +67,26 @@ def exact_ok(run) -> bool:
     return V <= EXACT_KL_MAX_V and V == run.model.config.vocab_size
 
 
-def full_logprobs(model, prompts: list, comps: list, temperature: float, top_k: int, top_p: float):
-    """score()'s forward with the whole log softmax of the sampling distribution at each of the M completion tokens:
-    (log π [M, V] float32, their targets [M], valid [n, L]). The LM head runs in score()'s chunks on the same hidden
-    states, so log π[target] is bitwise score()'s log-prob; memory M × V, for small vocabularies only."""
-    dev = model.model.embed_tokens.weight.device
-    ids = pad_batch(comps).to(dev)                                                             # [n, L]
-    n, L = ids.shape
-    valid = torch.arange(L, device=dev) < torch.tensor([len(c) for c in comps], device=dev)[:, None]
-    pos = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1 + torch.arange(L, device=dev)  # [n, L]
-    seqs = pad_batch([p + c for p, c in zip(prompts, ids.tolist())]).to(dev)                  # [n, S + L]
-
-    def head(h, w):  # h [n, T - 1, C] -> [M, V], in the chunks of score()'s HeadLogProbs
-        hs = h[torch.arange(n, device=dev)[:, None], pos][valid]                                # [M, C]
-        chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])
-        return torch.cat([filter_logits(F.linear(hs[i:i + chunk], w), temperature, top_k, top_p).log_softmax(-1)
-                          for i in range(0, len(hs), chunk)])
-    return model(seqs[:, :-1], head=head), ids[valid], valid
-
-
-def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> TeacherScores:
+def teacher_logprobs(run, prompts: list, comps: list, rows: list[int]) -> TeacherLogProbs:
     """Steps 1 and 3 for the rows of a micro-batch, no gradient: log π_T at the sampling temperature without
     top-k/top-p, and, when exact_ok, the exact KL from the same teacher forward's full log softmax beside π_old's
     (the student's at the sampling settings)."""
     ps, cs, cfg, dev = [prompts[i] for i in rows], [comps[i] for i in rows], run.cfg, run.proc.device
+    lens = [len(c) for c in cs]
     with torch.no_grad(), torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+        ids = pad_batch(cs).to(dev)                                                              # [n, L]
         if not exact_ok(run):
-            return TeacherScores(score(run.teacher, ps, pad_batch(cs).to(dev), cfg.temperature,
-                                       lengths=[len(c) for c in cs])[0], None)
-        lt, targets, valid = full_logprobs(run.teacher, ps, cs, cfg.temperature, 0, 1.0)          # [M, V]
+            logp = completion_logprobs(run.teacher, ps, ids, cfg.temperature, lengths=lens)[0]  # [n, L]
+            return TeacherLogProbs(logp, None)
+        lt, targets, valid = completion_log_softmax(run.teacher, ps, ids, cfg.temperature, lengths=lens)  # [M, V]
         # π_old from the plain sampling copy where FSDP shards the policy (in epoch 0 the copy is π_old): a no-grad
         # forward of the sharded model between micro-batches changed the 2-rank gradient (tests/test_distill.py)
-        ls = full_logprobs(infra.sampling(run.sampler, run.model), ps, cs, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+        student = infra.sampling(run.sampler, run.model)
+        ls = completion_log_softmax(student, ps, ids, cfg.temperature, cfg.top_k, cfg.top_p, lengths=lens)[0]
     kl = (ls.exp() * (ls - lt)).nan_to_num(0.0, posinf=0.0, neginf=0.0).sum(-1)  # a filtered token: 0 · (−inf) adds 0
     zeros = lt.new_zeros(valid.shape)
-    return TeacherScores(zeros.masked_scatter(valid, lt.gather(-1, targets[:, None])[:, 0]),
-                         zeros.masked_scatter(valid, kl.clamp(min=0)))
+    logp = lt.gather(-1, targets[:, None])[:, 0]                                      # [M] log π_T(o_t)
+    return TeacherLogProbs(zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, kl.clamp(min=0)))
 
 
 def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
@@ -121,7 +103,7 @@ def opd_advantage(adv: torch.Tensor, teacher_logp: torch.Tensor, old_logp: torch
     return base + weight * gap
 
 
-def metrics(run, teacher: TeacherScores | None, old_logp, mask) -> dict:
+def metrics(run, teacher: TeacherLogProbs | None, old_logp, mask) -> dict:
     """Token sums for train.rl_step's log (it divides by the token count): the sampled-token reverse-KL estimate and,
     for small vocabularies, the exact one (step 3). {} without a teacher."""
     if teacher is None:

@@ -265,7 +265,7 @@ class Transformer(nn.Module):
         """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx fills slots
         [cache.n, cache.n + T) and cache.start gives the left padding; without one, `start` [B] does (default 0).
         head(h, w), if given, replaces the LM head (h [B, T, C] final hidden states, w [V, C] the head's weight,
-        gathered by FSDP inside forward): rollout.score takes log-probs with it, never all [B, T, V] logits."""
+        gathered by FSDP inside forward): rollout.completion_logprobs' head never makes all [B, T, V] logits."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape

@@ -48,7 +48,7 @@ import templates
 import verify
 from logger import Logger
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
-from rollout import STOP_NAMES, generate, pad_batch, score
+from rollout import STOP_NAMES, completion_logprobs, generate, pad_batch
 
 
 @dataclass
@@ -241,12 +241,13 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
 # ================================================================== 3. log-probs and the update
 def policy_logprobs(run: Run, model, prompts: list, comps: list, rows: list[int],
                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π and entropy [n, L] of a micro-batch's rows under `model` (policy, π_ref), bf16
-    autocast on CUDA."""
+    """log π and entropy [n, L] of a micro-batch's rows under `model` (bf16 autocast on CUDA)."""
     completions, dev = [comps[i] for i in rows], run.proc.device
+    ids = pad_batch(completions).to(dev)  # [n, L]
     with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-        return score(model, [prompts[i] for i in rows], pad_batch(completions).to(dev), temperature,
-                     run.cfg.top_k, run.cfg.top_p, lengths=[len(c) for c in completions])
+        return completion_logprobs(model, [prompts[i] for i in rows], ids, temperature,
+                                   run.cfg.top_k, run.cfg.top_p,
+                                   lengths=[len(c) for c in completions])
 
 
 def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.Tensor:
@@ -412,7 +413,7 @@ def token_picks(run: Run, batch: Batch, before: list[tuple], adv: torch.Tensor,
 class OldPolicy:
     """What the first epoch fixes for a micro-batch: π_old and what hangs on it."""
     logp: torch.Tensor                      # log π_old [n, L]: π_θ before this step's update
-    teacher: distill.TeacherScores | None   # log π_T of the sampled tokens (a teacher only)
+    teacher: distill.TeacherLogProbs | None  # log π_T of the sampled tokens (a teacher only)
     high_entropy: torch.Tensor | None       # top_entropy_q < 1: bool [n, L], entropy ≥ τ
     cov_picked: torch.Tensor | None         # cov != "none": bool [n, L], Clip-/KL-Cov's tokens
 

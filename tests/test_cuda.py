@@ -22,7 +22,7 @@ import decode
 import rollout
 import train
 from model import ModelConfig, Transformer
-from rollout import HeadLogProbs, generate, pad_batch, score
+from rollout import HeadLogProbs, completion_logprobs, generate, pad_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,8 @@ def test_generate_on_cuda_and_the_trainer_scores_it_the_same_way():
     r = generate(m, prompts, 4, 32, temperature=1.0, seed=0)
     assert r.completion_ids.device.type == "cuda" and r.logprobs.dtype == torch.float32
     comps = [r.completion_ids[i, :r.lengths[i]].tolist() for i in range(12)]
-    lp, _ = score(m, [prompts[i // 4] for i in range(12)], pad_batch(comps), 1.0, lengths=[len(c) for c in comps])
+    lp, _ = completion_logprobs(m, [prompts[i // 4] for i in range(12)], pad_batch(comps), 1.0,
+                                lengths=[len(c) for c in comps])
     gap = ((lp - r.logprobs[:, :lp.shape[1]]).abs() * r.completion_mask[:, :lp.shape[1]]).max().item()
     print(f"sampler vs trainer log-prob gap in bf16: {gap:.2e}")
     assert gap < 0.1  # the same weights, a different kernel mix (cached decode vs one causal forward)
@@ -110,7 +111,7 @@ class TrunkOnly:
 
 
 def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary(monkeypatch):
-    """The LM head's share of the peak (score + backward with the head, minus the same with the trunk only): its
+    """The LM head's share of the peak (log-probs + backward with the head, minus the same with the trunk only): its
     float32 [chunk, V] blocks and W's float32 gradient, far below a micro-batch's full float32 logits."""
     V, rows, prompt_len, new = 151936, 64, 192, 64  # 16,384 tokens: the qwen preset's micro_batch_tokens
     m = qwen(vocab=V, hidden=896, layers=2).to(torch.bfloat16)
@@ -125,7 +126,7 @@ def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary(monkeypatch):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            lp, _ = score(m, prompts, comps, 1.0)
+            lp, _ = completion_logprobs(m, prompts, comps, 1.0)
             (-lp.mean()).backward()
             peaks[name] = torch.cuda.max_memory_allocated() - base
             del lp

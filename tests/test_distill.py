@@ -19,7 +19,7 @@ import infra
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
-from rollout import generate, pad_batch, score
+from rollout import completion_logprobs, generate, pad_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -102,7 +102,7 @@ def test_a_teacher_equal_to_pi_old_gives_zero_gradient():
 def test_exact_kl_against_a_float64_loop():
     """distill.teacher_logprobs with the exact KL: Σ_v π(v) log(π(v)/π_T(v)) at each completion position, π at T = 0.8
     with top-k 3 (the sampling distribution), π_T tempered only, and log π_T(o_t), against full forwards of each
-    prompt + completion, one at a time; log π_T bitwise rollout.score's (the path without the exact KL)."""
+    prompt + completion, one at a time; log π_T bitwise rollout.completion_logprobs' (the path without exact KL)."""
     torch.manual_seed(0)
     cfgs = dict(vocab_size=7, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=32,
                 max_seq_len=32)
@@ -113,7 +113,7 @@ def test_exact_kl_against_a_float64_loop():
     got = distill.teacher_logprobs(run, prompts, comps, [2, 0, 1])
     with torch.no_grad():
         ps, cs = [prompts[i] for i in (2, 0, 1)], [comps[i] for i in (2, 0, 1)]
-        want_logp = score(teacher, ps, pad_batch(cs), 0.8, lengths=[len(c) for c in cs])[0]
+        want_logp = completion_logprobs(teacher, ps, pad_batch(cs), 0.8, lengths=[len(c) for c in cs])[0]
         assert torch.equal(got.logp, want_logp)
         for row, i in enumerate([2, 0, 1]):
             seq = torch.tensor([prompts[i] + comps[i]])
@@ -189,7 +189,8 @@ def test_micro_batch_split_changes_nothing(tmp_path):
 def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
     """With the exact KL logged (V ≤ EXACT_KL_MAX_V), one forward of the teacher per micro-batch of epoch 0 gives both
     log π_T(o_t) and the full-vocabulary KL; the losses, gradient norms, sampled-token KL and weights are those of a
-    run without the exact KL (EXACT_KL_MAX_V = 0: log π_T from rollout.score, the path the exact KL never touched)."""
+    run without the exact KL (EXACT_KL_MAX_V = 0: log π_T from rollout.completion_logprobs, a path the exact KL
+    never took)."""
     counts = {"forward": 0, "micro_batches": 0}
     load, plan = distill.load_teacher, infra.rank_micro_batches
 

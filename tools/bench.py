@@ -24,8 +24,9 @@ backward and AdamW, each with its time outside aten ops:  python -m tools.bench 
 
 --logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
 backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
-rollout.score (logits at every position, a float32 copy, a [n, L, V] gather, a separate entropy pass) against
-`chunked`, rollout.score (LM head at completion tokens only, chunks recomputed in backward):
+rollout.completion_logprobs (logits at every position, a float32 copy, a [n, L, V] gather, a separate entropy
+pass) against `chunked`, rollout.completion_logprobs (LM head at completion tokens only, chunks recomputed in
+backward):
   python -m tools.bench --logprobs --threads 1     (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
 
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers, long
@@ -53,7 +54,7 @@ import infra
 import train
 import verify
 from model import ModelConfig, Transformer
-from rollout import filter_logits, generate, pad_batch, score
+from rollout import completion_logprobs, filter_logits, generate, pad_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # --logprobs' children run from it
 
@@ -142,7 +143,8 @@ def token_entropy(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
 
 
 def full_logits_logprobs(model, prompts, comps, T):
-    """The trainer's log-probs before rollout.score: all logits, gathered to [n, L, V], log-softmax, entropy apart."""
+    """The trainer's log-probs before rollout.completion_logprobs: all logits, gathered to [n, L, V],
+    log-softmax, entropy apart."""
     n, L = comps.shape
     seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())])
     logits = model(seqs[:, :-1]).float()                                                       # [n, T-1, V]
@@ -159,7 +161,8 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
     model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=vocab, hidden_size=64,
                                     n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=256, max_seq_len=512))
     prompts, comps = torch.randint(3, vocab, (rows, prompt_len)).tolist(), torch.randint(3, vocab, (rows, new))
-    fn = partial(full_logits_logprobs if method == "full" else score, model, prompts, comps, 1.0)
+    method_fn = full_logits_logprobs if method == "full" else completion_logprobs
+    fn = partial(method_fn, model, prompts, comps, 1.0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

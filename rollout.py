@@ -278,13 +278,13 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     # >= 2 stop ids (padded with -1): no branch on their number, no size 0 or 1 to specialise on
     stop = torch.tensor(ids + [-1] * (2 - len(ids)), dtype=torch.long, device=dev)
     settings = (temperature, top_k, top_p, pad_id)
-    # the call's t = 0, outputs, stop ids and settings; batch() adds the B rows' cache and state
-    d = Decoder(cache, None, None, None, None, rows.new_zeros(()), out, stop, settings)
+    d = Decoder(cache, tok=None, live=None, rows=None, noise=None, t=rows.new_zeros(()), out=out,
+                stop=stop, settings=settings)
     state = (rows.new_zeros(B), rows < N, rows, noise)                 # tok, live, rows, noise
     d = batch(model, d, cache, group, state, static)                   # the B-row batch
     record(d, logits[group])                                           # 3-4. token 0
     del cache, logits  # the prefill's cache: copied into the batch, not kept through decoding
-    run = compiled_step(dev.type) if static else step
+    step_fn = compiled_step(dev.type) if static else step
     batch_at_compaction = N
     for t in range(1, L):
         # the host sync: every step eagerly, every CHECK_EVERY steps statically
@@ -306,7 +306,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 d = batch(model, d, d.cache, sel, state, static)
         if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
-        run(model, d)                                                               # 3-4. token t
+        step_fn(model, d)                                                             # 3-4. token t
     ids, lp, mask = (x[:N, :L] for x in (out.ids, out.logprobs, out.mask))                # [N, L]
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token

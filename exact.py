@@ -1,19 +1,18 @@
 r"""The exact normal form behind verify.is_equiv: numbers as Fractions, expressions as canonical rational functions.
 
 Pure Python on normalised answers (verify._normalize's output): no eval, no CAS, every size bounded (MAX_*).
-1. number: a plain number (1,000  2.50  1e3  2(1/2)) as a Fraction; decimal_key: longer decimals, digit by digit;
-   value: a numeric expression (+ - * / ^, brackets, \frac), one iterative pass (fractions 400 deep).
-2. Form: numerator / denominator, expanded polynomials in the names that appear (x, a_1, \theta, \pi, e; i is the
-   imaginary unit); a monomial is c * prod p^e * prod x^f, c rational, p prime or -1 (i = (-1)^(1/2)), 0 < e < 1,
-   f rational. The radicals prod p^e (0 <= e < 1) are linearly independent over Q (Besicovitch) and i is not real,
-   so the form is canonical: n1/d1 = n2/d2 iff n1 d2 == n2 d1. Recursive descent:
+1. number: a plain number (1,000  2.50  1e3  2(1/2)) as a Fraction; decimal_key: longer decimals, digit by digit; value:
+   a numeric expression (+ - * / ^, brackets, \frac), one iterative pass (fractions 400 deep).
+2. Form: num / den, expanded polynomials in the names that appear (x, a_1, \theta, \pi, e; i is the imaginary unit);
+   a monomial is c * prod p^e * prod x^f, c rational, p prime or -1 (i = (-1)^(1/2)), 0 < e < 1, f rational. The
+   radicals prod p^e (0 <= e < 1) are linearly independent over Q (Besicovitch) and i is not real, so the form is
+   canonical: n1/d1 = n2/d2 iff n1 d2 == n2 d1. Parser reads it, a method per rule; Arith computes:
      expr := term (('+'|'-') term)*     term := factor (('*' | '/' | \cdot | \times | \div | juxtaposed) factor)*
      factor := ('+'|'-')* primary ['!'] ['^' ('+'|'-')* primary]      (2x, x(x+1), 3\sqrt2; x2 is rejected)
      primary := 12.5 | 0.1\overline{6} | name | (expr) | {expr} | \sqrt[n]{q} | \frac a b | \binom n k | \log_b a
-   Radicands factor over primes (3\sqrt[3]{2} = \sqrt[3]{54}, 3^{1/3} = \sqrt[3]{3}); a fractional power of a
-   monomial scales its exponents (y^{1/2} = \sqrt{y}) but an even root of an even power is refused (\sqrt{x^2} is
-   |x|); logs only where exact. No form, never equal: words ("yes" is no y*e*s), f(x), x+2(1/2), \cdots, \pm,
-   2^3^4, \sqrt[4]{-4}, anything past MAX_*.
+   Radicands factor over primes (3\sqrt[3]{2} = \sqrt[3]{54}); a fractional power of a monomial scales its exponents
+   (y^{1/2} = \sqrt{y}), an even root of an even power is refused (\sqrt{x^2} is |x|); logs only where exact. No form,
+   never equal: words ("yes" is no y*e*s), f(x), x+2(1/2), \cdots, \pm, 2^3^4, \sqrt[4]{-4}, anything past MAX_*.
 3. value(s, big=True), past MAX_BITS: products, powers of rationals as (sign, {prime: exact exponent}): 2^{2^{100}} =
    4^{2^{99}}, \frac{2^{2^{100}}}{2^{2^{100}}} = 1 by exponent arithmetic, never by evaluation.
 4. same(a, x, b, y): numbers by value, else forms by n1 d2 == n2 d1, else equal factorisations (step 3).
@@ -24,6 +23,7 @@ import re
 import sys
 from fractions import Fraction
 from math import comb, factorial, log
+from typing import NamedTuple
 
 MAX_NUMBER = 300  # characters of one number converted to a Fraction; longer plain decimals compare digit-wise
 MAX_EXP = 1000  # |exponent| of 1e5 / 10^{5}; 10^100000 is rejected, not computed
@@ -42,9 +42,8 @@ _PRIMES = [p for p in range(2, 1000) if all(p % q for q in range(2, int(p ** 0.5
 
 
 def number(s: str) -> Fraction | None:
-    """The exact value of a plain number: 3, -2.5, 1,000 (groups of 3 digits), 1e3, .5, 2(1/2); else None.
-
-    1/2, 1.5\\times10^{3} and 2^{10} are expressions whose normal forms are numbers."""
+    """The exact value of a plain number: 3, -2.5, 1,000 (groups of 3 digits), 1e3, .5, 2(1/2); else None (1/2,
+    1.5\\times10^{3} and 2^{10} are expressions whose normal forms are numbers)."""
     if len(s) > MAX_NUMBER or not (m := _MIXED.fullmatch(s) or _DECIMAL.fullmatch(s)):
         return None
     if m.re is _MIXED:
@@ -65,7 +64,7 @@ def decimal_key(s: str) -> tuple | None:
     return ("-" if s[:1] == "-" and (whole or frac) else ""), whole, frac
 
 
-def _root(c: Fraction, n: int) -> Fraction | None:
+def _rational_root(c: Fraction, n: int) -> Fraction | None:
     """The exact real n-th root of a rational c, or None (integer Newton from above on numerator and denominator)."""
     out = []
     for x in (abs(c.numerator), c.denominator):
@@ -76,7 +75,7 @@ def _root(c: Fraction, n: int) -> Fraction | None:
     return r if (r := Fraction(*out) * (-1 if c < 0 else 1)) ** n == c else None
 
 
-def _factor(n: int, bound: int) -> dict | None:
+def _prime_factors(n: int, bound: int) -> dict | None:
     """{prime: exponent} of 0 < n by trial division over the primes below 1000; None if a cofactor > bound remains."""
     out = {}
     for p in _PRIMES:
@@ -84,9 +83,7 @@ def _factor(n: int, bound: int) -> dict | None:
             break
         while n % p == 0:
             n, out[p] = n // p, out.get(p, 0) + 1
-    if n > bound:
-        return None
-    return out | ({n: 1} if n > 1 else {})  # below 10^6 with no factor under 1000: a prime
+    return None if n > bound else out | ({n: 1} if n > 1 else {})  # below 10^6 with no factor under 1000: a prime
 
 
 _ONE = ((), ())  # the monomial 1: (radical ((p, e), ...), names ((x, f), ...)), both sorted
@@ -96,6 +93,18 @@ _FORM_TOKEN = re.compile(r"\d*\.\d*\\overline\{\d+\}|\d+\.?\d*|\.\d+|\\(?:%s)|\\
                          % "|".join(_NAMES + ("sqrt", "frac", "binom", "log", "cdot", "times", "div")))  # \pir: \pi r
 _TIMES, _OPENS = ("*", "\\cdot", "\\times", "/", "\\div"), ("(", "{", "\\sqrt", "\\frac", "\\binom", "\\log")
 _NO_FORM = re.compile(r"(?<![\\a-z])(?:[a-z]{3}|[fgh]\()|(?<![\d.])\d+\(\d+/\d+\)|\\[lc]?dots")  # see step 2
+
+
+class Form(NamedTuple):
+    """A normal form of step 2, num / den: polynomials as dicts {monomial: Fraction}, a monomial laid out as _ONE."""
+    num: dict
+    den: dict
+
+    def rational(self, integer: bool = False) -> Fraction | int:  # integer: an int in [0, MAX_FACT]; else ValueError
+        c = self.num.get(_ONE, Fraction(0)) if set(self.num) <= {_ONE} and self.den == _UNIT else None
+        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
+            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
+        return int(c) if integer else c
 
 
 def _int(e: Fraction | int) -> Fraction | int:
@@ -110,10 +119,6 @@ def _merge(a: tuple, b: tuple) -> tuple:
     return tuple(sorted((k, _int(e)) for k, e in out.items() if e))
 
 
-def _inverse(a: tuple) -> tuple:
-    return tuple((p, -e) for p, e in a)
-
-
 def _radical(factors: dict) -> tuple[Fraction, tuple]:
     """prod p^x (rational x) = c * prod p^e with 0 < e < 1: (c, ((p, e), ...))."""
     c, rad = Fraction(1), []
@@ -125,15 +130,9 @@ def _radical(factors: dict) -> tuple[Fraction, tuple]:
     return c, tuple(rad)
 
 
-class Form:
-    """Step 2: a value is (numerator, denominator), polynomials as dicts {monomial: Fraction}."""
-
-    def __init__(self, s: str):
-        if _NO_FORM.search(s):
-            raise ValueError(s)
-        self.toks, self.pos, self.work, self.depth = _FORM_TOKEN.findall(s) + [""], 0, 0, 0
-        if len(self.toks) > MAX_TOKENS:
-            raise ValueError("too long")
+class Arith:
+    """Step 2's arithmetic on Forms and their polynomials, for one answer."""
+    work = 0  # monomial products so far, against MAX_WORK
 
     def check(self, p: dict) -> dict:
         p = {m: c for m, c in p.items() if c}
@@ -142,14 +141,8 @@ class Form:
             raise ValueError("too large")
         return p
 
-    def const(self, c: Fraction | int) -> tuple:
-        return self.check({_ONE: Fraction(c)}), _UNIT
-
-    def rational(self, v: tuple, integer: bool = False) -> Fraction | int:
-        c = v[0].get(_ONE, Fraction(0)) if set(v[0]) <= {_ONE} and v[1] == _UNIT else None
-        if c is None or integer and not (c.denominator == 1 and 0 <= c <= MAX_FACT):
-            raise ValueError("not an integer in [0, MAX_FACT]" if integer else "not a rational number")
-        return int(c) if integer else c
+    def const(self, c: Fraction | int) -> Form:
+        return Form(self.check({_ONE: Fraction(c)}), _UNIT)
 
     def mul(self, p: dict, q: dict) -> dict:
         if (work := self.work + len(p) * len(q)) > MAX_WORK:
@@ -163,23 +156,23 @@ class Form:
                 out[key] = out[key] + z if key in out else z
         return self.check(out)
 
-    def value(self, n: dict, d: dict) -> tuple:
+    def quotient(self, n: dict, d: dict) -> Form:
         if not d:
             raise ZeroDivisionError
         c = d.get(_ONE) if len(d) == 1 else None  # a rational denominator goes into the coefficients
-        return (n, d) if c is None else ({m: x / c for m, x in n.items()}, _UNIT)
+        return Form(n, d) if c is None else Form({m: x / c for m, x in n.items()}, _UNIT)
 
-    def add(self, u: tuple, v: tuple, sign: int) -> tuple:
+    def add(self, u: Form, v: Form, sign: int) -> Form:
         (a, b), (c, d) = u, v
         a, c, b = (a, c, b) if b == d else (self.mul(a, d), self.mul(c, b), self.mul(b, d))
-        return self.value(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
+        return self.quotient(self.check({m: a.get(m, 0) + sign * c.get(m, 0) for m in a | c}), b)
 
-    def times(self, u: tuple, v: tuple, divide: bool = False) -> tuple:
-        if u[1] == _UNIT == v[1] and len(u[0]) == 1 == len(v[0]) and _ONE in u[0] and _ONE in v[0]:  # rationals
+    def times(self, u: Form, v: Form, divide: bool = False) -> Form:
+        if u.den == _UNIT == v.den and len(u.num) == 1 == len(v.num) and _ONE in u.num and _ONE in v.num:  # rationals
             self.work += 1
-            return self.const(u[0][_ONE] / v[0][_ONE] if divide else u[0][_ONE] * v[0][_ONE])
-        v = (v[1], v[0]) if divide else v
-        return self.value(self.mul(u[0], v[0]), self.mul(u[1], v[1]))
+            return self.const(u.num[_ONE] / v.num[_ONE] if divide else u.num[_ONE] * v.num[_ONE])
+        n, d = (v.den, v.num) if divide else v
+        return self.quotient(self.mul(u.num, n), self.mul(u.den, d))
 
     def mono_power(self, p: dict, k: Fraction) -> dict:
         """(c * radical * names)^k of a one-term polynomial, k > 0; an even root of an even power or of i is refused."""
@@ -190,7 +183,7 @@ class Form:
         if max(abs(c.numerator), c.denominator).bit_length() * k.numerator > MAX_BITS or c < 0 < k.numerator - 1 and (
                 k.denominator > 1):  # (-4)^{3/2}: the principal value is not sqrt((-4)^3)
             raise ValueError("power")
-        out = {_ONE: c ** k.numerator} if k.denominator == 1 else self.root(c ** k.numerator, k.denominator)[0]
+        out = {_ONE: c ** k.numerator} if k.denominator == 1 else self.root(c ** k.numerator, k.denominator).num
         if rad:
             r, extra = _radical({q: e * k for q, e in rad})
             out = self.mul(out, {(extra, ()): r})
@@ -198,29 +191,29 @@ class Form:
             out = {(m[0], tuple((x, _int(f * k)) for x, f in names)): v for m, v in out.items()}
         return self.check(out)
 
-    def power(self, v: tuple, k: Fraction) -> tuple:
+    def power(self, v: Form, k: Fraction) -> Form:
         if abs(k.numerator) > 10 ** 6:
             raise ValueError("power")
-        if not v[0]:  # 0^k
-            return self.value({}, _UNIT) if k > 0 else self.value(_UNIT, {})
-        if len(v[0]) == 1 and len(v[1]) == 1:  # a monomial over a monomial: exponent arithmetic, no loop
-            n, d = self.mono_power(v[0], abs(k)), self.mono_power(v[1], abs(k))
-            return self.value(*((d, n) if k < 0 else (n, d)))
+        if not v.num:  # 0^k
+            return self.quotient({}, _UNIT) if k > 0 else self.quotient(_UNIT, {})
+        if len(v.num) == 1 and len(v.den) == 1:  # a monomial over a monomial: exponent arithmetic, no loop
+            n, d = self.mono_power(v.num, abs(k)), self.mono_power(v.den, abs(k))
+            return self.quotient(*((d, n) if k < 0 else (n, d)))
         if k.denominator > 1:
             raise ValueError("root of a sum")
-        out = (_UNIT, _UNIT)
+        out = Form(_UNIT, _UNIT)
         for _ in range(abs(int(k))):  # MAX_WORK ends (1+i)^(10^6) early
             out = self.times(out, v, divide=k < 0)
         return out
 
-    def root(self, c: Fraction, n: int) -> tuple:
-        """c^(1/n) for a rational c: s * prod p^e with p prime (-1 for i), as a value."""
-        if (r := _root(c, n)) is not None:
+    def root(self, c: Fraction, n: int) -> Form:
+        """c^(1/n) for a rational c: s * prod p^e with p prime (-1 for i)."""
+        if (r := _rational_root(c, n)) is not None:
             return self.const(r)
         if c < 0 and n % 2 == 0 and n != 2:  # \sqrt[4]{-4} has no real value
             raise ValueError("root")
         sign = -1 if c < 0 and n % 2 else 1
-        num, den = _factor(abs(c.numerator), MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
+        num, den = _prime_factors(abs(c.numerator), MAX_RADICAND), _prime_factors(c.denominator, MAX_RADICAND)
         if num is None or den is None or max(abs(c.numerator), c.denominator) > MAX_RADICAND:
             raise ValueError("radicand")
         factors = {p: Fraction(e, n) for p, e in num.items()}
@@ -231,88 +224,97 @@ class Form:
         s, rad = _radical(factors)
         if any(p > MAX_RADICAND for p, _ in rad):
             raise ValueError("radicand")
-        return {(rad, ()): sign * s}, _UNIT
+        return Form({(rad, ()): sign * s}, _UNIT)
+
+
+class Parser:
+    """Step 2's grammar, one method per rule: tokens of s to a Form by recursive descent, computed by arith."""
+
+    def __init__(self, s: str):
+        if _NO_FORM.search(s):
+            raise ValueError(s)
+        self.toks, self.pos, self.depth, self.arith = _FORM_TOKEN.findall(s) + [""], 0, 0, Arith()
+        if len(self.toks) > MAX_TOKENS:
+            raise ValueError("too long")
 
     def take(self, *ops: str) -> str | None:
         t = self.toks[self.pos] if self.toks[self.pos] in ops else None
         self.pos += t is not None
         return t
 
-    def expr(self, whole: bool = False) -> tuple:
+    def expr(self, whole: bool = False) -> Form:
         v = self.term()
         while t := self.take("+", "-"):
-            v = self.add(v, self.term(), 1 if t == "+" else -1)
+            v = self.arith.add(v, self.term(), 1 if t == "+" else -1)
         if whole and self.toks[self.pos]:
             raise ValueError(self.toks[self.pos])
         return v
 
-    def term(self) -> tuple:
+    def term(self) -> Form:
         v = self.factor()
         while (t := self.toks[self.pos]) in _TIMES or t[:1].isalpha() or t[1:] in _NAMES or t in _OPENS or (
                 t[:1].isdigit() and self.toks[self.pos - 1] == "!"):  # or juxtaposed: 2x, x(x+1), 3\sqrt{2}, 2!4!
             self.pos += t in _TIMES  # a number never follows anything else: x2, (x)2 are rejected
-            v = self.times(v, self.factor(), divide=t in ("/", "\\div"))
+            v = self.arith.times(v, self.factor(), divide=t in ("/", "\\div"))
         return v
 
-    def factor(self, exponent: bool = False) -> tuple:
+    def factor(self, exponent: bool = False) -> Form:
         sign = 1
         while t := self.take("+", "-"):
             sign = -sign if t == "-" else sign
         v = self.primary()
         if not exponent and self.take("!"):  # 2^3! and 5!! are left over, so rejected: ambiguous, as 2^3^4
-            v = self.const(factorial(self.rational(v, integer=True)))
+            v = self.arith.const(factorial(v.rational(integer=True)))
         if not exponent and self.take("^"):
-            k = self.rational(self.factor(exponent=True))
-            if k == 0 and not v[0]:
+            k = self.factor(exponent=True).rational()
+            if k == 0 and not v.num:
                 raise ValueError("0^0")
-            v = self.power(v, k) if k else (_UNIT, _UNIT)
-        return v if sign > 0 else ({m: -c for m, c in v[0].items()}, v[1])
+            v = self.arith.power(v, k) if k else Form(_UNIT, _UNIT)
+        return v if sign > 0 else Form({m: -c for m, c in v.num.items()}, v.den)
 
-    def primary(self) -> tuple:
+    def primary(self) -> Form:
         t, self.pos = self.toks[self.pos], self.pos + 1
         if t and t[0] in "0123456789." and len(t) <= MAX_NUMBER:  # 0.1\overline{6} = 0.1 + 6 / (10 * 9)
             num, _, rep = t.partition("\\overline")
             rep = Fraction(int(rep[1:-1]), 10 ** len(num.partition(".")[2]) * (10 ** (len(rep) - 2) - 1)) if rep else 0
-            return self.const(Fraction(num) + rep)
+            return self.arith.const(Fraction(num) + rep)
         if t[:1].isalpha() or t[1:] in _NAMES:
-            return {(((-1, Fraction(1, 2)),), ()) if t == "i" else ((), ((t, 1),)): Fraction(1)}, _UNIT
+            return Form({(((-1, Fraction(1, 2)),), ()) if t == "i" else ((), ((t, 1),)): Fraction(1)}, _UNIT)
         if t in ("(", "{") and self.depth < MAX_DEPTH:
             self.depth += 1
             v, self.depth = self.expr(), self.depth - 1
             if self.take(")" if t == "(" else "}"):
                 return v
         if t == "\\sqrt":  # \sqrt[n]{c}
-            n, close = (self.rational(self.expr(), integer=True), self.take("]")) if self.take("[") else (2, "]")
+            n, close = (self.expr().rational(integer=True), self.take("]")) if self.take("[") else (2, "]")
             if close and 2 <= n <= MAX_DEG:
-                return self.power(self.primary(), Fraction(1, n))
+                return self.arith.power(self.primary(), Fraction(1, n))
         if t == "\\frac":
-            return self.times(self.primary(), self.primary(), divide=True)
+            return self.arith.times(self.primary(), self.primary(), divide=True)
         if t == "\\binom":
-            return self.const(comb(self.rational(self.primary(), True), self.rational(self.primary(), True)))
+            return self.arith.const(comb(self.primary().rational(True), self.primary().rational(True)))
         if t == "\\log" and self.take("_"):  # log_b(a) = p/q iff b = c^q and a = c^p for a rational c
-            b, a = self.rational(self.primary()), self.rational(self.primary())
+            b, a = self.primary().rational(), self.primary().rational()
             for q in range(1, 7) if b > 0 and b != 1 and a > 0 else ():
-                if (c := _root(b, q)) is not None and c != 1:
+                if (c := _rational_root(b, q)) is not None and c != 1:
                     p = round((log(a.numerator) - log(a.denominator)) / (log(c.numerator) - log(c.denominator)))
                     if abs(p) <= MAX_DEG and c ** p == a:
-                        return self.const(Fraction(p, q))
+                        return self.arith.const(Fraction(p, q))
         raise ValueError(t)
 
 
 def same(a: str, x: Fraction | None, b: str, y: Fraction | None) -> bool:
     """True iff both answers have normal forms n1/d1, n2/d2 (x, y: values of plain numbers) with n1 d2 == n2 d1,
     or (past the bounds of the form) equal factorisations."""
-    x = value(a) if x is None else x  # numbers first: iterative, no recursion
-    y = value(b) if y is None else y
+    x, y = (value(a) if x is None else x), (value(b) if y is None else y)  # numbers first: iterative, no recursion
     if x is not None and y is not None:
         return x == y
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))  # about 5 frames per bracket level
+    sys.setrecursionlimit(max(limit := sys.getrecursionlimit(), 6 * MAX_DEPTH + 1000))  # 5 frames a bracket level
     try:
-        p = Form(a if x is None else "")
-        u = p.expr(whole=True) if x is None else p.const(x)
-        (n1, d1), (n2, d2) = u, Form(b).expr(whole=True) if y is None else p.const(y)
-        return p.mul(n1, d2) == p.mul(n2, d1)
+        arith = (p := Parser(a if x is None else "")).arith
+        u = p.expr(whole=True) if x is None else arith.const(x)
+        (n1, d1), (n2, d2) = u, Parser(b).expr(whole=True) if y is None else arith.const(y)
+        return arith.mul(n1, d2) == arith.mul(n2, d1)
     except (ValueError, ZeroDivisionError, RecursionError):
         if "^" not in a + b or x == 0 or y == 0:
             return False
@@ -331,10 +333,10 @@ _OPS = {"\\cdot": "*", "\\times": "*", "\\div": "/", "*": "*", "/": "/", "+": "+
 
 def _big(c: Fraction) -> tuple:
     """c as (sign, ((prime, exponent), ...)); ValueError past the factoring bound."""
-    num, den = _factor(abs(c.numerator), MAX_RADICAND), _factor(c.denominator, MAX_RADICAND)
+    num, den = _prime_factors(abs(c.numerator), MAX_RADICAND), _prime_factors(c.denominator, MAX_RADICAND)
     if num is None or den is None or not c:
         raise ValueError("factor")
-    return (-1 if c < 0 else 1), _merge(tuple(num.items()), _inverse(den.items()))
+    return (-1 if c < 0 else 1), _merge(tuple(num.items()), tuple((p, -e) for p, e in den.items()))
 
 
 def _apply_big(vals: list, op: str) -> None:
@@ -344,7 +346,7 @@ def _apply_big(vals: list, op: str) -> None:
                                     or sum(e * p.bit_length() for p, e in b) > MAX_BITS + 64):
         raise ValueError(op)
     if op != "^":
-        return vals.append((s * t if op != "u" else -t, _merge(a, b if op in "*u" else _inverse(b))))
+        return vals.append((s * t if op != "u" else -t, _merge(a, b if op in "*u" else tuple((p, -e) for p, e in b))))
     k = t
     for p, e in b:
         k *= p ** e  # the exponent, an exact integer of at most MAX_BITS bits

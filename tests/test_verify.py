@@ -300,8 +300,8 @@ def test_bounds_reject_before_computing(monkeypatch):
     assert calls == []  # 1000! was never computed: past MAX_FACT
     assert is_equiv("500!", "500!+0") and calls == [500, 500]
     products = []
-    real_mul = exact.Form.mul
-    monkeypatch.setattr(exact.Form, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
+    real_mul = exact.Arith.mul
+    monkeypatch.setattr(exact.Arith, "mul", lambda f, p, q: products.append(len(p) * len(q)) or real_mul(f, p, q))
     assert not is_equiv("(1+i)^{5000}", "(1+i)^{5000}+0")  # 2 terms, degree 0, 2500 bits: only MAX_WORK stops it
     assert sum(products) <= 3 * (exact.MAX_WORK + exact.MAX_TERMS ** 2)  # each form stops at its budget (+ 1 try)
     products.clear()
@@ -310,7 +310,7 @@ def test_bounds_reject_before_computing(monkeypatch):
     monkeypatch.setattr(exact, "MAX_BITS", 64)
     assert is_equiv("2^{31}", "2147483648")
     with pytest.raises(ValueError):  # 2 bits * 64 > 64: the form refuses before computing
-        exact.Form("2^{64}").expr(whole=True)
+        exact.Parser("2^{64}").expr(whole=True)
     assert is_equiv("2^{64}", "18446744073709551616")  # decided by exponent arithmetic instead (exact.Power)
     assert not is_equiv("2^{64}", "18446744073709551617") and not is_equiv("2^{64}", "2^{63}")
     monkeypatch.setattr(exact, "MAX_RADICAND", 100)
@@ -333,12 +333,12 @@ def _random_arith(rng: random.Random, depth: int) -> tuple[str, Fraction]:
 
 
 def test_numeric_value_pass_matches_hand_computed_values():
-    """exact.value (iterative) and exact.Form (recursive) agree with values computed by construction."""
+    """exact.value (iterative) and exact.Parser (recursive) agree with values computed by construction."""
     rng = random.Random(5)
     for _ in range(300):
         s, v = _random_arith(rng, rng.randint(1, 5))
         assert exact.value(s) == v, s
-        assert (p := exact.Form(s)).rational(p.expr(whole=True)) == v, s
+        assert exact.Parser(s).expr(whole=True).rational() == v, s
         assert is_equiv(s, str(v)) and not is_equiv(s, str(v + Fraction(1, 7))), s
 
 

@@ -17,6 +17,7 @@ import json
 import os
 
 from cli import UserError
+from lora import TARGETS
 
 FRESH = "with no init_from (a fresh model)"
 RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that SFT-only runs pass; bounds below
@@ -85,6 +86,11 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
      "spread no longer decides which groups teach anything"),
     (("max_staleness", "sampler_ranks"), lambda c: c.max_staleness == 0 or c.max_staleness > 0 < c.sampler_ranks,
      "{max_staleness} must be 0, or > 0 with {sampler_ranks} > 0: the colocated loop samples the weights it trains"),
+    (("lora_rank", "lora_alpha"), lambda c: c.lora_rank == 0 or c.lora_alpha > 0,
+     "{lora_alpha} must be > 0 with {lora_rank} (the adapter's scale is α / r)"),
+    (("lora_rank", "lora_targets"), lambda c: c.lora_rank == 0 or c.lora_targets == "all" or
+     {t.strip() for t in c.lora_targets.split(",")} <= set(TARGETS),
+     "{lora_targets} must be 'all' or a comma list of " + ", ".join(TARGETS) + " with {lora_rank}"),
     # star.StarConfig
     (("algo", "sampler_ranks"), lambda c: c.sampler_ranks == 0, "{sampler_ranks} is train.py's: star.py samples "
      "on every rank"),
@@ -102,7 +108,8 @@ POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epoch
             "async_timeout", "collective_timeout")  # counts that must be >= 1
 NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight",
                 "teacher_pass_every", "warmup_steps", "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k",
-                "train_size", "threads", "max_value", "expert_sft_steps", "expert_max_per_problem", "sampler_ranks")
+                "train_size", "threads", "max_value", "expert_sft_steps", "expert_max_per_problem", "sampler_ranks",
+                "lora_rank")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
           for keys, lo in ((POSITIVE, 1), (NON_NEGATIVE, 0)) for k in keys]
 

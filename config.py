@@ -145,6 +145,11 @@ class Config:
     format_weight: float = 0.0          # reward += weight · format_reward (R1 template)
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
     micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation memory
+    # --- LoRA (Hu et al. 2021; lora.py): a frozen base, adapters on its linear layers
+    lora_rank: int = 0                  # r of every adapter (0: off, full fine-tuning); Schulman et
+                                        #   al. 2025 ("LoRA Without Regret") use ~10× the full lr
+    lora_alpha: float = 32.0            # α: the adapter's output is scaled by α / r
+    lora_targets: str = "all"           # all (q, k, v, o, gate, up, down) or a comma list of them
     # --- optimizer (AdamW, Loshchilov & Hutter 2019)
     lr: float = 1e-4
     warmup_steps: int = 10

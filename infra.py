@@ -29,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import decode
+import lora
 from model import Transformer
 
 
@@ -188,15 +189,13 @@ def frozen_copy(model, device) -> Transformer:
 
 @torch.no_grad()
 def refresh(copy, model, lazy=False):
-    """copy ← model's weights in place (a CUDA graph on copy's tensors reads them at the same
-    addresses), one parameter at a time, cast to copy's dtype (bf16 on CUDA) before every rank
-    all-gathers it: the extra peak memory is one parameter, never the model in fp32. lazy (an
-    optimizer step): only mark it stale. A no-op without a copy."""
+    """copy ← model's weights (LoRA: W + (α/r)·B A) in place, for a CUDA graph reads addresses; one
+    parameter at a time in one order on every rank, cast to copy's dtype (bf16 on CUDA) before it
+    is gathered: the peak is one parameter. lazy (an optimizer step): only mark it stale."""
     if copy is not None:
-        dst = dict(copy.named_parameters())
-        for name, p in model.named_parameters() if not lazy else ():  # the same order on every rank
-            x = p.detach().to(dst[name].dtype)
-            dst[name].copy_(x.full_tensor() if isinstance(x, DTensor) else x)
+        dst, dtype = dict(copy.named_parameters()), next(copy.parameters()).dtype
+        for name, x in lora.merged_parameters(model, dtype) if not lazy else ():
+            dst[name].copy_(x)
         copy.stale = lazy
 
 
@@ -209,9 +208,9 @@ def grad_sync(model, on: bool):
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:
-    """generate's weights when FSDP2 shards the policy (world > 1, or CUDA): a plain copy; None:
-    sample `model`."""
-    return frozen_copy(model, proc.device) if proc.world > 1 or proc.device.type == "cuda" else None
+    """generate's weights: a plain (merged) copy if FSDP2 shards the policy or LoRA wraps it."""
+    plain = proc.world == 1 and proc.device.type != "cuda" and not lora.adapters(model)
+    return None if plain else frozen_copy(model, proc.device)
 
 
 def compiled_sampling(cfg) -> bool | None:
@@ -271,20 +270,25 @@ def save_run(run, state, step: int, stage: str, opt, sched):
                      "rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
     dtype = getattr(torch, cfg.save_dtype) if cfg.save_dtype else None
     save_checkpoint(run.proc, cfg.out_dir, step, run.model, run.task.tok, opt, trainer_state,
-                    ref=run.ref, keep=cfg.keep_ckpts, dtype=dtype)
+                    ref=run.ref, keep=cfg.keep_ckpts, dtype=dtype, base=cfg.init_from)
 
 
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
-                    ref=None, keep: int = 0, dtype=None):
+                    ref=None, keep: int = 0, dtype=None, base: str = ""):
     """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the
     source folder's; its tokenizer and generation files, else `tokenizer`), trainer_state.pt
     ({"optimizer": ..., **trainer_state}) and ref_model.pt when a reference model is given; keeps
-    the newest `keep` checkpoints (0: all)."""
+    the newest `keep` checkpoints (0: all). A LoRA model: the merged weights, and its adapter in
+    PEFT's format over `base` (lora.py step 3)."""
     model_sd, opt_sd = full_state(model, opt)
+    if adapter := lora.adapter_state(model):  # every rank gathers; {} without LoRA
+        model_sd = lora.merged_state(model, keep=proc.rank == 0)
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
         model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)
+        if adapter:
+            lora.save_adapter(tmp, model, adapter, base)
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
         torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))

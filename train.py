@@ -40,6 +40,7 @@ import distill
 import grpo
 import guard
 import infra
+import lora
 from config import Config, parse_args
 # the printed formula, and the whole-batch passes some options need before the first update
 from objective import cov_picks, objective, whole_batch_pass
@@ -89,9 +90,9 @@ class Group:
     nonfinite: int = 0                  # samples ended at non-finite logits (Rollout.nonfinite)
 
 
-def build_run(cfg: Config) -> Run:
-    """Join the processes, build or load the policy (sharded, float32) and its tokenizer, and the
-    task; completions stop at the checkpoint's eos ids (our names only as a fallback)."""
+def build_run(cfg: Config, adapter: str = "") -> Run:
+    """Join the processes, build or load the policy (sharded, float32; LoRA: `adapter` on resume)
+    and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     # link: the async run's two sides
     proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)
@@ -105,6 +106,8 @@ def build_run(cfg: Config) -> Run:
             vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
             n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             intermediate_size=cfg.intermediate_size, max_seq_len=cfg.max_seq_len))
+    if cfg.lora_rank:  # the base frozen, A and B trained (lora.py)
+        lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, adapter)
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
     task = tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info)
     if link and not link.trains:  # a sampler rank: a plain copy; weights come from the trainers
@@ -117,10 +120,10 @@ def build_run(cfg: Config) -> Run:
 
 
 def make_optimizer(run: Run, lr: float, total: int):
-    """AdamW and its schedule: linear warmup, then cosine to min_lr_ratio · lr (or constant) at
-    step `total`."""
+    """AdamW over what trains; linear warmup, then cosine to min_lr_ratio · lr (or constant)."""
     cfg = run.cfg
-    opt = torch.optim.AdamW(run.model.parameters(), lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    trained = [p for p in run.model.parameters() if p.requires_grad]  # LoRA: A and B only
+    opt = torch.optim.AdamW(trained, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             weight_decay=cfg.weight_decay)
 
     def factor(s):
@@ -420,8 +423,7 @@ class OldPolicy:
 
 def old_policy(run: Run, batch: Batch, picks: TokenPicks, b: int, logp: torch.Tensor,
                entropy: torch.Tensor, mask: torch.Tensor) -> OldPolicy:
-    """Micro-batch b's π_old from the first epoch's forward (logp, entropy [n, L]), the teacher's
-    log-probs (distill.teacher_logprobs) and its tokens picked over the whole batch."""
+    """Micro-batch b's π_old (logp, entropy [n, L] of epoch 0), its teacher log-probs and picks."""
     teacher = (None if run.teacher is None
                else distill.teacher_logprobs(run, batch.prompts, batch.completions, batch.plan[b]))
     tau = picks.entropy_threshold
@@ -474,8 +476,7 @@ def loss_settings(cfg: Config) -> dict:
 
 @dataclass
 class Tally:
-    """The step's metrics over its first-epoch micro-batches: token-weighted sums (divided by the
-    loss tokens in `result`) and maxima, reduced over ranks once per step."""
+    """The step's metrics over its epoch-0 micro-batches: token-weighted sums and maxima."""
     sums: dict = field(default_factory=dict)
     maxes: dict = field(default_factory=dict)
 
@@ -578,9 +579,8 @@ def eval_row(g: Group, s: Group, k: int) -> dict:
 
 def evaluate(run: Run, step: int, logger: Logger | None = None,
              samples: list | None = None) -> dict:
-    """Greedy and sampled pass@1, maj@k, length, answer and truncation rates, per level too, in
-    chunks of eval_batch problems. A `samples` list receives one record per completion: the
-    prompt text as tokenized, completion, extracted answer, gold, correct, truncated."""
+    """Greedy and sampled pass@1, maj@k, length, answer and truncation rates (per level too); a
+    `samples` list gets a record per completion (prompt, completion, answer, gold, correct, cut)."""
     cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
     if run.link:  # async: no weight broadcast pending while this rank samples (async_rl.py)
         run.link.settle()
@@ -621,9 +621,9 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
 
 # =========================================================================================== loop
 def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total: int, saved,
-                state: TrainState):
-    """A fresh AdamW and LR schedule for the stage (restored mid-stage on resume); RL also
-    freezes π_ref (β > 0) and starts the async samplers."""
+                state: TrainState, ckpt: str):
+    """A fresh AdamW and LR schedule for the stage (restored mid-stage on resume from `ckpt`); RL
+    also freezes π_ref (β > 0) and starts the async samplers."""
     opt, sched = make_optimizer(run, *((cfg.sft_lr, cfg.sft_steps) if stage == "sft" else
                                        (cfg.lr, cfg.rl_steps)))
     resumed = saved and step == latest + 1  # mid-stage: the optimizer and π_ref continue
@@ -632,7 +632,7 @@ def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total
         sched.load_state_dict(saved["scheduler"])
     if stage == "rl" and cfg.beta > 0:
         run.ref = infra.frozen_copy(run.model, run.proc.device)
-        ref_file = os.path.join(cfg.init_from, "ref_model.pt")
+        ref_file = os.path.join(ckpt, "ref_model.pt")
         if resumed and os.path.exists(ref_file):
             run.ref.load_state_dict(torch.load(ref_file, map_location=run.proc.device))
     if stage == "rl" and run.link:  # the samplers start: π_(step−1), the stream, saved rollouts
@@ -643,9 +643,9 @@ def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total
 
 def main(cfg: Config) -> dict:
     latest, ckpt, saved = infra.latest_checkpoint(cfg.out_dir) if cfg.resume else (0, "", None)
-    if latest:  # resume: weights from the checkpoint folder, the rest from its trainer_state.pt
-        cfg = dataclasses.replace(cfg, init_from=ckpt)
-    run, total = build_run(cfg), cfg.sft_steps + cfg.rl_steps
+    if latest and not cfg.lora_rank:  # resume: weights from the checkpoint (LoRA: its adapter
+        cfg = dataclasses.replace(cfg, init_from=ckpt)  # on the same base), the rest from its state
+    run, total = build_run(cfg, ckpt if cfg.lora_rank else ""), cfg.sft_steps + cfg.rl_steps
     state = TrainState(**saved["state"]) if saved else TrainState()
     if run.link and not run.link.trains:  # a sampler rank samples until the trainers stop it
         return async_rl.sampler_loop(run, state, dynamic_sampling)
@@ -662,7 +662,7 @@ def main(cfg: Config) -> dict:
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # a new stage
             stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()
-            opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state)
+            opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state, ckpt)
         if stage == "sft":
             _, prompts, comps = run.task.cold_start_batch(state.sft_cursor, cfg.sft_batch_size)
             state.sft_cursor += cfg.sft_batch_size

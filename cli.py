@@ -2,11 +2,10 @@
   1. its defaults (each written once, in the dataclass), then
   2. --config FILE.toml (keys are field names), then
   3. --key=value, --key value, or a bare --flag for true,
-each value coerced to its field's type (an int where a float is expected is fine; a dict field is a TOML table in a
-file, a JSON object on the command line). An unknown key, a value of the wrong type or one outside the field's
-CHOICES stops with an error naming the key and its source, and suggests the closest key; a TOML syntax error names
-file:line:column. --help (-h): each key's type, default and comment, by group. banner(): a run's config, aligned.
-A user's mistake (a setting, a path, a data line, a checkpoint) raises UserError: run_main prints one line, exits 1.
+each value coerced to its field's type (an int for a float is fine; a dict is a TOML table in a file, a JSON object
+on the command line). An unknown key (the closest one suggested), a wrong type or a value outside the field's CHOICES
+stops with an error naming the key and its source; a TOML syntax error names file:line:column. --help (-h): each
+key's type, default and comment, by group. banner(): a run's config, aligned. A user's mistake raises UserError.
 
   python train.py --config configs/smoke.toml --rl_steps=8 --beta 0.04 --resume
 """
@@ -27,17 +26,17 @@ class UserError(ValueError):
 
 
 def parse_config(cls, argv: list[str]):
-    """cls (a dataclass with a CHOICES dict) from its defaults, then --config FILE.toml, then --key=value, --key
-    value or a bare --flag (true); values are coerced to the field's type, errors name the key and its source."""
+    """cls (a dataclass with a CHOICES dict) from its defaults, a --config file and argv's --key=value (see the top)."""
     names, values, args, kw = {f.name for f in dataclasses.fields(cls)}, {}, list(argv), {}
+    parse = {bool: lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()],
+             int: int, float: float, dict: json.loads}  # a string as the field's type (a dict's: a JSON object)
     if "--help" in args or "-h" in args:
         print(help_text(cls))
         raise SystemExit(0)
     while args:
         arg = args.pop(0)
         if arg == "--config":
-            path = args.pop(0) if args else ""
-            if not os.path.isfile(path):
+            if not os.path.isfile(path := args.pop(0) if args else ""):
                 raise SystemExit(f"error: --config needs an existing TOML file, got {path!r}")
             values.update((k, (v, path)) for k, v in run_main(load_toml, path).items())
         elif arg.startswith("--"):
@@ -50,23 +49,16 @@ def parse_config(cls, argv: list[str]):
         if key not in names:
             near = "".join(f"; did you mean {k!r}?" for k in difflib.get_close_matches(key, names, n=1))
             raise SystemExit(f"error: unknown config key {key!r} ({where}){near}")
-        typ = type(default(cls, key))
-        if isinstance(val, str) and typ is bool and val.lower() in ("true", "1", "yes", "false", "0", "no"):
-            val = val.lower() in ("true", "1", "yes")
-        elif isinstance(val, str) and typ is dict:  # a TOML table in a file, a JSON object on the command line
-            try:
-                val = json.loads(val)
-            except ValueError:
-                raise SystemExit(f"error: config key {key!r} ({where}) needs a table: a JSON object on the command "
-                                 f"line, e.g. --{key}='{{\"name\": {{}}}}', got {val!r}") from None
-        elif isinstance(val, str) and typ in (int, float):
-            with contextlib.suppress(ValueError):
-                val = typ(val)
+        typ, err, raw = type(default(cls, key)), f"error: config key {key!r} ({where})", None
+        if isinstance(val, str) and typ in parse:  # a string that does not parse stays raw: the check below says so
+            with contextlib.suppress(ValueError, KeyError):
+                val = parse[typ](raw := val)
         kw[key] = val = float(val) if typ is float and type(val) is int else val
-        if type(val) is not typ:
-            raise SystemExit(f"error: config key {key!r} ({where}) needs a {typ.__name__}, got {val!r}")
+        if type(val) is not typ:  # a dict's string that is not JSON (still raw) gets the how-to
+            how = f"table: a JSON object on the command line, e.g. --{key}='{{\"name\": {{}}}}'"
+            raise SystemExit(f"{err} needs a {how if typ is dict and val is raw else typ.__name__}, got {val!r}")
         if val not in cls.CHOICES.get(key, (val,)):
-            raise SystemExit(f"error: config key {key!r} ({where}) is {val!r}; choose one of {tuple(cls.CHOICES[key])}")
+            raise SystemExit(f"{err} is {val!r}; choose one of {tuple(cls.CHOICES[key])}")
     return cls(**kw)
 
 
@@ -83,8 +75,7 @@ def load_toml(path: str) -> dict:
 
 def default(cls, name: str):
     """A field's default, made by its default_factory (a dict field's) if it has one."""
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f.default_factory() if (f := cls.__dataclass_fields__[name]).default is dataclasses.MISSING else f.default
 
 
 def toml_value(v) -> str:
@@ -132,17 +123,15 @@ def help_text(cls) -> str:
     width, group, docs = max(len(f.name) for f in dataclasses.fields(cls)), None, field_docs(cls)
     for f in dataclasses.fields(cls):
         name, note = docs.get(f.name, [cls.__name__, ""])
-        out += ["", f"# --- {name}"] if name != group else []
+        out += ["", f"# --- {(group := name)}"] if name != group else []
         row = f"  --{f.name:{width}}  {type(default(cls, f.name)).__name__:5}  {toml_value(default(cls, f.name)):12}  "
         out.append(textwrap.fill(note, 120, initial_indent=row, subsequent_indent=" " * (width + 27),
                                  break_on_hyphens=False) or row.rstrip())
-        group = name
     return "\n".join(out)
 
 
 def config_lines(cfg, every: bool = False) -> list[str]:
-    """cfg as aligned `key = value` lines (TOML values, so a block pastes into a --config file) under the groups of
-    field_docs; only the fields off their defaults unless `every`."""
+    """cfg as aligned TOML `key = value` lines by group (they paste into a --config file): off-default fields or all."""
     group, groups = {k: g for k, (g, _) in field_docs(type(cfg)).items()}, {}
     for f in dataclasses.fields(cfg):
         if every or getattr(cfg, f.name) != getattr(type(cfg)(), f.name):  # defaults as __post_init__ leaves them

@@ -3,32 +3,26 @@
   2. Hugging Face transformers' generate (only if transformers is importable; the project does not need it),
   3. the matmul-only bound of a decode step: N rows times every weight matrix of every layer plus the LM head,
      as plain F.linear calls on preallocated inputs, in a loop. ours / bound is the fraction of it we reach.
-Every row runs all the new tokens (no stop ids; transformers with eos disabled), greedy (T = 0) and sampling (T = 1,
-no top-k / top-p). Each number is the best of --repeats runs, the methods taking turns every round (speed drifts up to
-2x over minutes: one method after another would skew their ratios). Settings are P×G×new-tokens; the first is compared
-against all three, the others time ours alone (cost follows generated tokens: a prompt is prefilled once per group).
+Every row runs all new tokens (no stop ids; transformers with eos off), greedy (T = 0) and T = 1 (no top-k / top-p).
+Each number is the best of --repeats runs, the methods taking turns every round (speed drifts up to 2x over minutes).
+Settings are P×G×new-tokens: the first times all three, the others ours alone (a prompt is prefilled once per group).
 
 Presets, Qwen2-like (q/k/v bias, GQA, SwiGLU, tied embeddings), vocab 4096 so the LM head weighs like a real one:
   2m:  hidden 128, 6 layers, 4 heads / 2 KV heads of 32, FFN 512     2.00M parameters
   20m: hidden 384, 12 layers, 6 heads / 2 KV heads of 64, FFN 1024  20.4M parameters
-
   python -m tools.bench --size 2m          python -m tools.bench --size 20m --repeats 2 --static   (+ the compiled step)
   python -m tools.bench --ckpt DIR --device cuda --dtype bfloat16 --settings 8x8x128,2x32x128
-
 --device cuda without --ckpt runs the GPU check (bench_gpu, a few minutes): a random Qwen2.5-0.5B-shaped bf16 model,
 eager against captured (CUDA graph) decoding at 64 and 512 rows, their fraction of max(HBM, FLOP) floors (the sampler's
 logits counted), RL steps of configs/qwen2.5-0.5b-gsm8k.toml on one GPU, the sampling copy's refresh, sampling and
 training timed apart:  python -m tools.bench --device cuda    (--gpu_new 128 --gpu_rl_steps 1: shorter)
 --rl instead splits one RL step of a preset (4 x 8 x 64 tokens) by torch.profiler into sampling, scoring, loss,
 backward and AdamW, each with its time outside aten ops:  python -m tools.bench --rl --size 20m --threads 1
-
---logprobs instead measures the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward and
-backward of one micro-batch, each method in a fresh process so that its peak RSS is its own: `full`, the path before
-rollout.completion_logprobs (logits at every position, a float32 copy, a [n, L, V] gather, a separate entropy
-pass) against `chunked`, rollout.completion_logprobs (LM head at completion tokens only, chunks recomputed in
-backward):
+--logprobs instead times the trainer's log-probs at a real vocabulary (default 151,936, Qwen's), forward + backward of
+one micro-batch, each method in a fresh process for its own peak RSS: `full` (logits at every position, a float32
+copy, an [n, L, V] gather, an entropy pass apart) against `chunked`, rollout.completion_logprobs (the LM head at
+completion tokens only, chunks recomputed in backward):
   python -m tools.bench --logprobs --threads 1     (a 10M-parameter Qwen2-shaped model, 32 rows of 136 + 64 tokens)
-
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX, symbolic answers, long
 and adversarial texts), one thread, its slowest call on hostile runs (HOSTILE) of 10k, 100k and 1M characters (linear
 time: ~10x per size), and math-verify's calls/s and agreement if importable:  python -m tools.bench --verify
@@ -59,7 +53,6 @@ from rollout import completion_logprobs, filter_logits, generate, pad_batch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # --logprobs' children run from it
 
 
-# ------------------------------------------------------------------------------- verify.reward calls/s
 VERIFY_FAMILIES = [  # gold, a right answer, a wrong one
     ("72", "72", "73"), ("1000", "1,000", "100"), ("0.5", r"\frac{1}{2}", r"\frac{1}{3}"),
     (r"\frac{3}{4}", "0.75", r"\frac{4}{3}"), ("(1,2)", "(1, 2)", "(2,1)"), ("[2,5)", "[2, 5)", "[2,5]"),
@@ -89,8 +82,7 @@ PLACES = [("", "{r}", "5"), ("#### 5 +", "#### 5{r}", "5"), ("\\boxed{5} +", "\\
 
 
 def bench_verify(rounds: int = 20):
-    pairs = verify_mix()
-    t0 = time.perf_counter()
+    pairs, t0 = verify_mix(), time.perf_counter()
     ours = [[verify.reward(c, g) for c, g in pairs] for _ in range(rounds)][0]
     rate = rounds * len(pairs) / (time.perf_counter() - t0)
     slowest = {n: max((timeit.timeit(partial(verify.reward, t.format(r=u * (n // len(u)), d=(u * 3900)[:3900]),
@@ -106,8 +98,7 @@ def bench_verify(rounds: int = 20):
         return print("math-verify is not installed: no comparison\n" + json.dumps(res))
     t0 = time.perf_counter()  # the call TRL's and verl's reward functions make, its own timeouts on; a bare gold
     theirs = [float(mv_verify(parse(f"${g}$"), parse(c))) for c, g in pairs]  # needs $...$ to parse as LaTeX
-    mv_rate = len(pairs) / (time.perf_counter() - t0)
-    agree = sum(a == b for a, b in zip(ours, theirs)) / len(pairs)
+    mv_rate, agree = len(pairs) / (time.perf_counter() - t0), sum(a == b for a, b in zip(ours, theirs)) / len(pairs)
     answers = [(p, g) for g, *preds in VERIFY_FAMILIES for p in preds]  # equivalence alone, without extraction
     same = sum(verify.is_equiv(p, g) == mv_verify(parse(f"${g}$"), parse(f"${p}$")) for p, g in answers) / len(answers)
     print(f"math-verify:   {mv_rate:,.0f} calls/s, {sum(theirs):.0f} rewarded; agreement with ours {agree:.1%} on "
@@ -115,18 +106,13 @@ def bench_verify(rounds: int = 20):
     print(json.dumps(res | {"math_verify_calls_s": mv_rate, "agreement": agree, "answer_agreement": same}))
 
 
-# --------------------------------------------------------------------- log-probs at a real vocabulary
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 4) -> torch.Tensor:
     """log π(target): logits [B, T, V], targets [B, T] -> float32 [B, T], differentiable. `chunk` rows at a time as
     gathered logit − logsumexp: a [chunk, T, V] float32 copy at once, never a full [B, T, V] log-softmax."""
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(f"need logits [B, T, V] and targets [B, T], got {tuple(logits.shape)}, {tuple(targets.shape)}")
-    out = []
-    for i in range(0, logits.shape[0], chunk):
-        z = logits[i:i + chunk].float()  # [c, T, V]
-        picked = z.gather(-1, targets[i:i + chunk].unsqueeze(-1)).squeeze(-1)  # [c, T]
-        out.append(picked - z.logsumexp(-1))
-    return torch.cat(out)
+    return torch.cat([(z := logits[i:i + chunk].float()).gather(-1, targets[i:i + chunk].unsqueeze(-1)).squeeze(-1)
+                      - z.logsumexp(-1) for i in range(0, logits.shape[0], chunk)])  # z [c, T, V], each term [c, T]
 
 
 def token_entropy(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
@@ -135,23 +121,18 @@ def token_entropy(logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
         raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
     out = []
     for i in range(0, logits.shape[0], chunk):
-        z = logits[i:i + chunk].float()
         # −Σ p log p on the normalised log-probs, not lse − Σ p z, which cancels badly for peaked π
-        logp = z - z.logsumexp(-1, keepdim=True)  # [c, T, V]
+        logp = (z := logits[i:i + chunk].float()) - z.logsumexp(-1, keepdim=True)  # [c, T, V]
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out)
 
 
 def full_logits_logprobs(model, prompts, comps, T):
-    """The trainer's log-probs before rollout.completion_logprobs: all logits, gathered to [n, L, V],
-    log-softmax, entropy apart."""
-    n, L = comps.shape
-    seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())])
-    logits = model(seqs[:, :-1]).float()                                                       # [n, T-1, V]
-    pos = torch.tensor([len(p) for p in prompts])[:, None] - 1 + torch.arange(L)
+    """The trainer's log-probs before rollout.completion_logprobs: all logits, gathered to [n, L, V], entropy apart."""
+    logits = model(pad_batch([p + c for p, c in zip(prompts, comps.tolist())])[:, :-1]).float()  # [n, T-1, V]
+    pos = torch.tensor([len(p) for p in prompts])[:, None] - 1 + torch.arange(comps.shape[1])  # [n, L]
     logits = filter_logits(logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])), T)
-    with torch.no_grad():
-        ent = token_entropy(logits)
+    ent = token_entropy(logits.detach())
     return token_logprobs(logits, comps), ent
 
 
@@ -161,8 +142,7 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
     model = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=vocab, hidden_size=64,
                                     n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=256, max_seq_len=512))
     prompts, comps = torch.randint(3, vocab, (rows, prompt_len)).tolist(), torch.randint(3, vocab, (rows, new))
-    method_fn = full_logits_logprobs if method == "full" else completion_logprobs
-    fn = partial(method_fn, model, prompts, comps, 1.0)
+    fn = partial(full_logits_logprobs if method == "full" else completion_logprobs, model, prompts, comps, 1.0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -179,10 +159,9 @@ def logprobs_side_by_side(vocab: int, threads: int):
     """Each method in fresh processes (alternating, best of two each), so that each peak RSS is the method's own."""
     res = {}
     for method in ("full", "chunked", "full", "chunked"):
-        cmd = [sys.executable, "-m", "tools.bench", "--logprobs", f"--method={method}", f"--vocab={vocab}",
-               f"--threads={threads}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        r = json.loads(subprocess.run([sys.executable, "-m", "tools.bench", "--logprobs", f"--method={method}",
+                                       f"--vocab={vocab}", f"--threads={threads}"], capture_output=True, text=True,
+                                      check=True, cwd=ROOT).stdout.strip().splitlines()[-1])
         res[method] = min(res.get(method, r), r, key=lambda x: x["s"])
     f, c = res["full"], res["chunked"]
     print(f"{f['params'] / 1e6:.1f}M params, V = {vocab:,}, 32 rows x (136 + 64) tokens, {threads} threads\n"
@@ -193,39 +172,28 @@ def logprobs_side_by_side(vocab: int, threads: int):
     print(json.dumps(res))
 
 
-# ---------------------------------------------------------------------------------------------- timing
-def sync():
-    return torch.cuda.synchronize() if torch.cuda.is_initialized() else None  # CUDA work is timed once it is done
-
-
-def timed(fn):
-    t0 = sync() or time.perf_counter()  # sync() returns None
-    fn()
-    return sync() or time.perf_counter() - t0
-
-
 def best_times(jobs: dict, repeats: int) -> dict:
-    """{name: fn} -> {name: fastest of `repeats` runs}, after one warm-up each, the jobs taking turns every round:
-    noise from other processes only adds time, and a slow spell of the machine hits every job alike."""
+    """{name: fn} -> {name: fastest of `repeats`} (noise only adds time), one warm-up each, the jobs taking turns."""
     for fn in jobs.values():
         fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None  # CUDA work timed once it is done
     best = {k: float("inf") for k in jobs}
     for _ in range(repeats):
         for k, fn in jobs.items():
-            best[k] = min(best[k], timed(fn))
+            t0 = sync() or time.perf_counter()  # sync() returns None
+            fn()
+            best[k] = min(best[k], sync() or time.perf_counter() - t0)
     return best
 
 
-# ------------------------------------------------------------------ GPU: eager vs captured decode, RL step
 QWEN05 = dict(model_type="qwen2", attention_bias=True, vocab_size=151936, hidden_size=896, n_layers=24, n_heads=14,
               n_kv_heads=2, intermediate_size=4864, max_seq_len=32768)  # Qwen2.5-0.5B's shapes, tied embeddings
 
 
 def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
-    """The GPU check (see the top): roofline fraction = max(HBM floor, FLOP floor) / time, the HBM floor = bytes a
-    decode step must move (every weight, each row's filled KV slots, the sampler's logits written and read once) /
-    the bandwidth of a device-to-device copy, the FLOP floor = 2 FLOPs per weight and row plus attention's 4 per
-    KV slot, head dim and query head / the rate of a large bf16 matmul."""
+    """The GPU check (see the top): roofline fraction = max(HBM floor, FLOP floor) / time; HBM floor = bytes a decode
+    step moves (every weight, each row's filled KV slots, the sampler's logits written and read once) / copy bandwidth;
+    FLOP floor = 2 per weight and row + attention's 4 per KV slot, head dim and query head / a bf16 matmul's rate."""
     dev = torch.device("cuda")
     t_start, gen, x = time.time(), torch.Generator().manual_seed(0), torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
     bw = 2 * x.numel() / best_times({0: x.clone}, 5)[0]  # bytes read + written per second
@@ -266,16 +234,14 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
     for step in range(rl_steps):
         t0 = time.time()
         sampler = infra.sampling(run.sampler, run.model)  # the copy re-gathered after the last step (stale)
-        sync()
-        t1 = time.time()
+        t1 = torch.cuda.synchronize() or time.time()
         comps = generate(sampler, prompts, rl.group_size, rl.max_new_tokens, seed=step).completion_ids.tolist()
-        t2 = time.time()
+        t2, n_tok = time.time(), len(comps) * (S + rl.max_new_tokens)
         for rows in infra.rank_micro_batches(rows_p, comps, run.cfg.micro_batch_tokens):
             logp, _ = train.policy_logprobs(run, run.model, rows_p, comps, rows, rl.temperature)
             grpo.policy_loss(logp, logp.detach(), torch.randn(len(rows), device=dev), torch.ones_like(logp).bool(),
                              agg="token_mean", loss_scale=logp.numel())[0].backward()
-        train.optimizer_step(run, opt), sync()
-        n_tok = len(comps) * (S + rl.max_new_tokens)
+        train.optimizer_step(run, opt), torch.cuda.synchronize()
         print(f"RL step {step}: refresh {t1 - t0:.2f} s, sampling {t2 - t1:.1f} s ({len(comps)} rows x "
               f"{rl.max_new_tokens} tokens), training {time.time() - t2:.1f} s ({n_tok:,} tokens fwd + bwd, AdamW); "
               f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
@@ -283,17 +249,15 @@ def bench_gpu(S=256, L=512, G=8, rows_list=(64, 512), rl_steps=2):
 
 
 def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
-    """One RL step as train.rl_step composes it, P x G x L new tokens (no stop token), one process (no collectives
-    run): the split (sampling, scoring = the forward of log π, loss, backward, AdamW) of the faster of `steps`."""
-    def section(split: dict, name: str, fn):  # split[name] += [wall time, of it outside aten ops (ops' self times)]
+    """--rl (see the top): one RL step as train.rl_step composes it, one process; the split of the faster of `steps`."""
+    def section(split: dict, name: str, fn, *args, **kw):  # split[name] += [wall time, of it outside aten ops]
         t0 = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = fn()
+            out = fn(*args, **kw)
         wall, ops = time.perf_counter() - t0, sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
         split[name] = [a + b for a, b in zip(split.get(name, (0.0, 0.0)), (wall, max(0.0, wall - ops)))]
         return out
-    rl = train.parse_args([f"--threads={threads}"])
-    run = train.Run(rl, infra.setup("cpu", threads), model.train(), None)
+    run = train.Run(rl := train.parse_args([f"--threads={threads}"]), infra.setup("cpu", threads), model.train(), None)
     opt, best, n_params = train.make_optimizer(run, rl.lr, 10)[0], {}, sum(t.numel() for t in model.parameters())
     prompts = torch.randint(3, model.config.vocab_size, (P, S)).tolist()
     rows_p = [p for p in prompts for _ in range(G)]
@@ -301,12 +265,11 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
         comps = section(split := {}, "sampling", lambda: generate(model, prompts, G, L, seed=step, static=static
                                                                   ).completion_ids.tolist())
         for rows in infra.rank_micro_batches(rows_p, comps, run.cfg.micro_batch_tokens):
-            logp = section(split, "scoring", lambda: train.policy_logprobs(run, model, rows_p, comps, rows, rl.temperature)[0])
-            mask, adv = torch.ones_like(logp).bool(), torch.randn(len(rows))
-            loss = section(split, "loss", lambda: grpo.policy_loss(logp, logp.detach(), adv, mask, agg="token_mean",
-                                                                  loss_scale=logp.numel())[0])
+            logp = section(split, "scoring", train.policy_logprobs, run, model, rows_p, comps, rows, rl.temperature)[0]
+            loss = section(split, "loss", grpo.policy_loss, logp, logp.detach(), torch.randn(len(rows)),  # advantages
+                           torch.ones_like(logp).bool(), agg="token_mean", loss_scale=logp.numel())[0]
             section(split, "backward", loss.backward)
-        section(split, "optimizer", lambda: train.optimizer_step(run, opt))
+        section(split, "optimizer", train.optimizer_step, run, opt)
         split["total"] = [sum(v[i] for v in split.values()) for i in (0, 1)]
         best = min(best, split, key=lambda x: x.get("total", [float("inf")])[0])
     print(f"RL step, {P}x{G}x{L} tokens, {n_params / 1e6:.1f}M params, {threads} threads, best of {steps} "
@@ -315,7 +278,6 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
     print(json.dumps({"rl_step": best}))
 
 
-# ------------------------------------------------------------------- sampling tokens/s (the default)
 @torch.no_grad()
 def naive(model, prompt_ids, G: int, steps: int, T: float):
     """The no-cache loop: the whole sequence through the model at every step."""
@@ -336,14 +298,12 @@ def hf_jobs(model, prompt_ids, G: int, new: int, dtype) -> dict:
         model.save_pretrained(tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(prompt_ids.device).eval()
     hf.generation_config.eos_token_id = None  # every row generates all `new` tokens
-
     def hf_run(sample):
         kw = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0) if sample else dict(do_sample=False)
         ids = prompt_ids.repeat_interleave(G, 0)  # greedy refuses num_return_sequences; it would repeat too
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                           pad_token_id=0, **kw)
         assert out.shape == (len(ids), prompt_ids.shape[1] + new), out.shape
-
     label = f"transformers {transformers.__version__}"
     return {(label, T): (partial(hf_run, T > 0), len(prompt_ids) * G * new) for T in (0.0, 1.0)}
 
@@ -351,23 +311,19 @@ def hf_jobs(model, prompt_ids, G: int, new: int, dtype) -> dict:
 def bench_sampling(model, args):
     """Ours at every setting; transformers, the naive loop and the matmul-only bound at the first (see the top)."""
     torch.set_grad_enabled(False)
-    dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
-    cfg, n_params = model.config, sum(t.numel() for t in model.parameters())
+    dtype, dev, S = getattr(torch, args.dtype), torch.device(args.device), args.prompt_len
+    cfg, n_params, gen = model.config, sum(t.numel() for t in model.parameters()), torch.Generator().manual_seed(0)
     settings = [tuple(int(x) for x in s.split("x")) for s in args.settings.split(",")]
-    gen, S = torch.Generator().manual_seed(0), args.prompt_len
-    results = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
-               "threads": args.threads, "prompt_len": S}
-    jobs = {}  # name -> (fn, tokens)
+    results, jobs = {"model": args.ckpt or args.size, "params": n_params, "dtype": args.dtype, "device": args.device,
+                     "threads": args.threads, "prompt_len": S}, {}  # jobs: name -> (fn, tokens)
     for P, G, new in settings:
         prompts = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).tolist()
         for T, static in itertools.product((0.0, 1.0), (False, True) if args.static else (False,)):
             run = partial(generate, model, prompts, G, new, temperature=T, seed=0, static=static)
             jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (run, P * G * new)
-    P, G, new = settings[0]
-    N = P * G
+    (P, G, new), N = settings[0], math.prod(settings[0][:2])
     prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
-    hf = {} if args.no_hf else hf_jobs(model, prompt_ids, G, new, dtype)
-    jobs |= hf
+    jobs |= (hf := {} if args.no_hf else hf_jobs(model, prompt_ids, G, new, dtype))
     # matmul-only bound: every weight matrix (and the LM head) times the rows of each setting, 20 decode steps' worth
     mats = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + \
         ([(model.model.embed_tokens.weight, None)] if cfg.tie_embeddings else [])
@@ -375,12 +331,10 @@ def bench_sampling(model, args):
         xs = [torch.randn(n_rows, w.shape[1], device=dev, dtype=dtype) for w, _ in mats]
         jobs[f"matmul-only bound {n_rows} rows", 0.0] = (
             lambda xs=xs: [F.linear(x, w, b) for _ in range(20) for x, (w, b) in zip(xs, mats)], n_rows * 20)
-    best = best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats)
-    tps = {k: jobs[k][1] / t for k, t in best.items()}  # tokens/s
+    tps = {k: jobs[k][1] / t for k, t in best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats).items()}
     pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]} for label, T in jobs if T == 1.0}
     results |= {f"ours_{P_}x{G_}x{new_}": pair[f"ours {P_}x{G_}x{new_}"] for P_, G_, new_ in settings}
-    if hf:
-        results["transformers"] = pair[next(iter(hf))[0]]
+    results |= {"transformers": pair[next(iter(hf))[0]]} if hf else {}
     bounds = {int(k.split()[-2]): v for (k, _), v in tps.items() if k.startswith("matmul")}  # rows -> tokens/s
     results["matmul_bound"] = bounds[N]
     rows = [(lb, *pair[lb].values()) for lb in pair]
@@ -389,7 +343,6 @@ def bench_sampling(model, args):
     nv = [N * args.naive_tokens / t for t in times.values()]
     rows.insert(len(pair), (f"naive, {args.naive_tokens} tokens (faster than at {new})", *nv))
     results["naive"] = {"greedy": nv[0], "sampling": nv[1], "tokens": args.naive_tokens}
-
     print(f"{results['model']}: {n_params / 1e6:.2f}M params, {args.dtype}, {args.device}, {args.threads} threads, "
           f"{S}-token prompts, best of {args.repeats}")
     print(f"{'method':<44}{'greedy tok/s':>14}{'sampling tok/s':>16}{'of the matmul-only bound':>28}")
@@ -403,7 +356,6 @@ def bench_sampling(model, args):
     print(json.dumps(results))
 
 
-# ---------------------------------------------------------------------------------------------- command line
 PRESETS = {"2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512),
            "20m": dict(hidden_size=384, n_layers=12, n_heads=6, n_kv_heads=2, intermediate_size=1024)}
 def parser() -> argparse.ArgumentParser:
@@ -417,7 +369,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
-    p.add_argument("--static", action="store_true", help="also the compiled static step (rollout.generate(static=True))")
+    p.add_argument("--static", action="store_true",
+                   help="also the compiled static step (rollout.generate(static=True))")
     p.add_argument("--rl", action="store_true", help="the time split of one RL step (4 x 8 x 64 tokens) instead")
     p.add_argument("--verify", action="store_true", help="time verify.reward (and math-verify) instead of sampling")
     p.add_argument("--logprobs", action="store_true", help="log-prob memory and time at a real vocabulary")
@@ -429,13 +382,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main():
     args = parser().parse_args()
-    if args.logprobs:
-        torch.set_num_threads(args.threads)
-        return bench_logprobs(args.method, args.vocab) if args.method else logprobs_side_by_side(args.vocab, args.threads)
-    if args.verify:
-        torch.set_num_threads(1)
-        return bench_verify()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1 if args.verify and not args.logprobs else args.threads)
+    if args.logprobs and args.method:  # one method, in a child process of logprobs_side_by_side
+        return bench_logprobs(args.method, args.vocab)
+    if args.logprobs or args.verify:
+        return logprobs_side_by_side(args.vocab, args.threads) if args.logprobs else bench_verify()
     if args.device == "cuda" and not args.ckpt:
         return bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps)
     torch.manual_seed(0)

@@ -74,6 +74,10 @@ CASES = [  # (config class, overrides, the exact message)
     (train.Config, dict(max_staleness=1), "max_staleness = 1 must be 0, or > 0 with sampler_ranks = 0 > 0: the "
      "colocated loop samples the weights it trains"),
     (train.Config, dict(max_staleness=-1, sampler_ranks=1), "max_staleness = -1 must be 0, or > 0"),
+    (train.Config, dict(lora_rank=8, lora_alpha=0.0), "lora_alpha = 0.0 must be > 0 with lora_rank = 8 (the "
+     "adapter's scale is α / r)"),
+    (train.Config, dict(lora_rank=8, lora_targets="q_proj, lm_head"), "lora_targets = 'q_proj, lm_head' must be "
+     "'all' or a comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj with lora_rank = 8"),
     (train.Config, dict(task="reasoning_gym", sft_steps=0), "task = 'reasoning_gym' needs rg_datasets = {} naming a "
      "dataset and its options"),
     (train.Config, dict(task="reasoning_gym", sft_steps=0, rg_datasets={"leg_counting": {}}, eval_n=600),

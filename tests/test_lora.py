@@ -16,7 +16,7 @@ import lora
 import tasks
 import train
 from model import ModelConfig, Transformer
-from test_train import ROOT, SMOKE, deterministic, records, run_cli
+from test_train import SMOKE, deterministic, one_and_two_ranks, records, run_cli
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   intermediate_size=48, max_seq_len=32, attention_bias=True)
@@ -142,15 +142,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     """2 gloo ranks (A and B sharded with their blocks by FSDP2) train what 1 rank does."""
     args = RUN + ["--sft_steps=4", "--rl_steps=4", "--ckpt_every=100", "--beta=0.05", "--lr=1e-3",
                   "--sft_lr=1e-3", "--ppo_epochs=2"]
-    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))
-    run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(one) == len(two)
-    assert all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
-    for a, b in zip(one, two):
-        for k in a:
-            if k.startswith("train/") and k != "train/grad_norm" or k.startswith("eval/"):
-                assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+    one_and_two_ranks(args, tmp_path)
     wa, wb = (load_file(tmp_path / d / "step_8" / "adapter_model.safetensors") for d in ("one", "two"))
     assert max(v.abs().max().item() for k, v in wa.items() if "lora_B" in k) > 1e-3  # B moved
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5

@@ -254,6 +254,20 @@ def run_cli(args, nproc=1, timeout=300):
     return p
 
 
+def one_and_two_ranks(args, tmp_path):
+    """Run args on 1 rank (in this process: no start-up) and 2 gloo ranks: every RL step's gradient is nonzero, and
+    every train/ (but the grad norm) and eval/ metric agrees within 1e-4."""
+    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))
+    run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(one) == len(two)
+    assert all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
+    for a, b in zip(one, two):
+        for k in a:
+            if k.startswith("train/") and k != "train/grad_norm" or k.startswith("eval/"):
+                assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("agg,P,extra", [
     ("token_mean", 4, []), ("seq_mean_token_mean", 3, []), ("seq_mean_token_sum_norm", 1, []),
@@ -273,15 +287,7 @@ def test_two_ranks_match_one_rank(tmp_path, agg, P, extra):
                     "--eval_every=100",
             "--eval_n=8", "--ckpt_every=100", "--dynamic_sampling=false", "--lr=1e-3", "--beta=0.05", "--ppo_epochs=2",
             "--overlong_buffer=20"]  # length shaping gives every group reward spread even before the model is good
-    train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'one'}"]))  # 1 rank in this process: no start-up
-    run_cli(args + [f"--out_dir={tmp_path / 'two'}"], nproc=2)
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(one) == len(two)
-    assert all(r["train/grad_norm"] > 1e-3 for r in one if r["stage"] == "rl" and "train/loss" in r)
-    for a, b in zip(one, two):
-        for k in a:
-            if k.startswith("train/") and k != "train/grad_norm" or k.startswith("eval/"):
-                assert abs(a[k] - b[k]) <= 1e-4, (k, a[k], b[k])
+    one_and_two_ranks(args, tmp_path)
     wa, wb = (load_file(tmp_path / d / "step_4" / "model.safetensors") for d in ("one", "two"))
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
@@ -642,8 +648,8 @@ def test_sampling_copy_equals_the_trained_weights_at_1_and_2_ranks(tmp_path):
 def test_rows_the_sampler_ends_at_non_finite_logits_are_counted(tmp_path, monkeypatch):
     build, gen, ended = train.build_run, train.generate, []
 
-    def poisoned_build(cfg):  # batch row 0's final hidden state turns NaN at every decode step (length-1 input)
-        run = build(cfg)
+    def poisoned_build(cfg, adapter=""):  # batch row 0's final hidden state turns NaN at every decode step (length-1 input)
+        run = build(cfg, adapter)
         run.model.model.norm.register_forward_hook(
             lambda m, i, out: out.index_fill(0, torch.tensor([0]), float("nan")) if out.shape[1] == 1 else out)
         return run

@@ -288,7 +288,7 @@ def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, 
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
         model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)
         if adapter:
-            lora.save_adapter(tmp, model, adapter, base)
+            lora.save_adapter(os.path.join(tmp, lora.ADAPTER_DIR), model, adapter, base)
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
         torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))

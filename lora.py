@@ -12,9 +12,11 @@
      loads in transformers and vLLM unchanged. The merge, not the adapter in the decode step, because
      the CUDA graphs and the compiled decode step stay those of a plain model, and a refresh is one
      r-rank product per matrix, against two extra matmuls per layer and token while sampling.
-  3. save_adapter / load_adapter: step_N/adapter_config.json + adapter_model.safetensors in PEFT's
-     format (PeftModel.from_pretrained and vLLM's LoRA loading read it; A and B in float32), which a
-     --resume loads back onto the same base (init_from, or the seeded fresh model): exact.
+  3. save_adapter / load_adapter: step_N/adapter/ = adapter_config.json + adapter_model.safetensors
+     in PEFT's format (PeftModel.from_pretrained and vLLM's LoRA loading read it; A and B in float32),
+     which a --resume loads back onto the same base (init_from, or the seeded fresh model): exact. A
+     subfolder, because transformers' from_pretrained of a folder holding adapter_config.json loads
+     it as base + adapter: over the merged weights, the adapter would count twice.
 No dropout: on-policy RL needs π_old = π_θ at the first epoch (ρ = 1), which a random mask breaks.
 
   python train.py --config configs/smoke.toml --lora_rank=8 --lora_alpha=32 --lr=1e-3
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PEFT's names: base_model.model.<our name>.lora_A.weight
+ADAPTER_DIR = "adapter"  # step_N/adapter/: the PEFT files (step 3)
 
 
 class LoRALinear(nn.Module):
@@ -127,6 +130,7 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(path: str, model: nn.Module, state: dict, base: str):
     """adapter_config.json + adapter_model.safetensors (PEFT's LoRA format) into folder `path`."""
     info = model.lora
+    os.makedirs(path, exist_ok=True)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": info["r"],
               "lora_alpha": info["alpha"], "target_modules": info["targets"], "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
@@ -140,9 +144,9 @@ def save_adapter(path: str, model: nn.Module, state: dict, base: str):
 
 @torch.no_grad()
 def load_adapter(model: nn.Module, path: str):
-    """A and B from `path`/adapter_model.safetensors into a wrapped, unsharded model; every adapter
-    must be there, with its shape (an error names the file and the tensor)."""
-    fname = os.path.join(path, "adapter_model.safetensors")
+    """A and B from checkpoint folder `path`'s adapter/ into a wrapped, unsharded model; every
+    adapter must be there, with its shape (an error names the file and the tensor)."""
+    fname = os.path.join(path, ADAPTER_DIR, "adapter_model.safetensors")
     if not os.path.exists(fname):
         raise FileNotFoundError(f"{fname} is missing: the checkpoint holds no LoRA adapter")
     saved = load_file(fname)

@@ -79,7 +79,7 @@ def test_the_sampler_is_on_the_adapted_policy_after_every_step(tmp_path, monkeyp
     recs = records(tmp_path / "ok")
     assert all(r["train/grad_norm"] > 1e-3 for r in recs if r["stage"] == "rl" and "train/loss" in r)
     assert max(gaps(recs)) < 1e-4, gaps(recs)
-    saved = load_file(tmp_path / "ok" / "step_10" / "adapter_model.safetensors")
+    saved = load_file(tmp_path / "ok" / "step_10" / "adapter" / "adapter_model.safetensors")
     assert max(v.abs().max().item() for k, v in saved.items() if "lora_B" in k) > 1e-3
     refresh, calls = infra.refresh, []
 
@@ -97,9 +97,10 @@ def test_the_sampler_is_on_the_adapted_policy_after_every_step(tmp_path, monkeyp
 def test_checkpoint_is_the_merged_model_and_a_peft_adapter(tmp_path):
     train.main(train.parse_args(RUN + ["--rl_steps=2", f"--out_dir={tmp_path}"]))
     folder = tmp_path / "step_8"
-    weights, adapter = load_file(folder / "model.safetensors"), load_file(folder / "adapter_model.safetensors")
+    weights = load_file(folder / "model.safetensors")
+    adapter = load_file(folder / lora.ADAPTER_DIR / "adapter_model.safetensors")
     assert not any("lora" in k for k in weights)
-    config = json.loads((folder / "adapter_config.json").read_text())
+    config = json.loads((folder / lora.ADAPTER_DIR / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 32.0)
     assert sorted(config["target_modules"]) == sorted(lora.TARGETS)
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -116,6 +117,12 @@ def test_checkpoint_is_the_merged_model_and_a_peft_adapter(tmp_path):
             assert (weights[name] - (w + 8.0 * b_ @ a_)).abs().max() < 1e-6, name
         else:
             assert torch.equal(weights[name], w.detach()), name
+    # transformers reads step_N/ as the plain merged model: the adapter (in adapter/) counts once
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.randint(0, len(tasks.CHARS) + 3, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - Transformer.from_pretrained(folder).eval()(x)).abs().max() < 1e-5
 
 
 def test_peft_loads_the_adapter_onto_the_base(tmp_path):
@@ -143,7 +150,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     args = RUN + ["--sft_steps=4", "--rl_steps=4", "--ckpt_every=100", "--beta=0.05", "--lr=1e-3",
                   "--sft_lr=1e-3", "--ppo_epochs=2"]
     one_and_two_ranks(args, tmp_path)
-    wa, wb = (load_file(tmp_path / d / "step_8" / "adapter_model.safetensors") for d in ("one", "two"))
+    wa, wb = (load_file(tmp_path / d / "step_8" / "adapter" / "adapter_model.safetensors") for d in ("one", "two"))
     assert max(v.abs().max().item() for k, v in wa.items() if "lora_B" in k) > 1e-3  # B moved
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
 
@@ -161,7 +168,7 @@ def test_a_resumed_lora_run_is_exact(tmp_path):
     shutil.copy(tmp_path / "one" / "metrics.jsonl", cut / "metrics.jsonl")
     run_cli(args + [f"--out_dir={cut}", "--resume"])
     assert deterministic(records(cut)) == deterministic(one)
-    for name in ("model.safetensors", "adapter_model.safetensors"):
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = (load_file(d / "step_8" / name) for d in (tmp_path / "one", cut))
         assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -3,7 +3,7 @@ Imports only torch; grpo.py holds the policy losses that consume these advantage
 
 A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major, N = P·G.
 1. Reward shaping, DAPO §3.4 soft overlong punishment (eq. 13), Lmax = max_len, Lc = cache_len:
-     R_len(y) = 0 if |y| ≤ Lmax − Lc;  ((Lmax − Lc) − |y|) / Lc if Lmax − Lc < |y| ≤ Lmax;
+     R_len(y) = 0 if |y| ≤ Lmax − Lc; (Lmax − Lc − |y|) / Lc if Lmax − Lc < |y| ≤ Lmax;
                 −1 otherwise.
    KL in the reward (kl_reward; Ziegler et al. 2019 eq. 2, Ouyang et al. 2022 eq. 2), before Â:
      r_i ← r_i − β Σ_t k1_i,t,   k1_t = log π_old(o_t) − log π_ref(o_t).
@@ -21,7 +21,7 @@ A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major
      Â_i = (A_i − mean_tok A) / (std_tok A + eps).
    "maxrl", MaxRL (Tajwar et al. 2026, arXiv 2602.02710, on-policy, mean control variate):
      Â_i = (r_i − mean r) / (mean r + eps).
-   For 0/1 rewards its gradient 1/K Σ_{i: r_i=1} ∇log π(o_i) − 1/G Σ_i ∇log π(o_i) (K successes)
+   For 0/1 rewards its gradient 1/K Σ_{r_i=1} ∇log π(o_i) − 1/G Σ_i ∇log π(o_i) (K wins)
    estimates ∇ log p(q) = ∇p/p, so a prompt solved with probability p weighs ~1/p (0 when no
    sample succeeds, as there the estimator is 0).
    Process supervision, DeepSeekMath §4.1.3, over all steps R of the group:
@@ -69,7 +69,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     elif scale == "batch":
         adv = adv / ((r.std() if r.numel() > 1 else r.new_zeros(())) + eps)
     elif scale == "rloo":
-        # r_i − mean_{j≠i} r_j = G/(G−1) (r_i − mean_G r); G = 1 has no other sample: adv is 0
+        # r_i − mean_{j≠i} r_j = G/(G−1) (r_i − mean_G r); G = 1 has no other sample: 0
         adv = adv * (group_size / max(group_size - 1, 1))
     elif scale == "maxrl":
         # divide by the group's mean reward p̂ (not its std): hard prompts (small p̂) weigh ~1/p̂
@@ -148,7 +148,7 @@ def process_advantages(step_rewards: torch.Tensor, step_ends: torch.Tensor,
 
 def kl_reward(rewards: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
               mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """KL in the reward: r_i − β Σ_t (log π_old(o_i,t) − log π_ref(o_i,t)) over valid tokens (k1
+    """KL in the reward: r_i − β Σ_t (log π_old − log π_ref)(o_i,t) over valid tokens (k1
     summed over the sequence, detached). rewards [N]; old_logp, ref_logp, mask [N, L] -> [N]
     float32. Pass π_old (the sampling policy as the trainer scores it): the reward must not depend
     on θ."""

@@ -32,7 +32,7 @@ TWO_LEVEL_ABOVE = {"cuda": 8192}  # cumsum measured faster, at 4,096 and at 151,
 
 def sample(z: torch.Tensor, u: torch.Tensor | None):
     """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling:
-    the first token whose cumulative probability c (float64) exceeds u · c_V (a token of probability
+    the first token whose cumulative probability c (float64) exceeds u·c_V (a token of probability
     0 is never first: its c is its predecessor's); without (greedy), argmax z. A large vocabulary on
     CUDA searches in two levels, block sums then the chosen block (no serial walk over V), on
     probabilities rounded down to multiples of 2^-52 (integers q): every partial sum is exact in any
@@ -66,7 +66,7 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int = 0,
                   top_p: float = 1.0) -> torch.Tensor:
-    """[..., V] logits -> float32 logits of the sampling distribution: logits / T, then −inf outside
+    """[..., V] logits -> float32 logits of the sampling distribution: logits / T, −inf outside
     the top-k (ties with the k-th value are kept) and outside the smallest set of most likely tokens
     with mass >= top_p."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: in float32

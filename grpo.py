@@ -3,26 +3,26 @@ tensors in, (loss, metrics) out. Imports only torch.
 
 A prompt q gets a group of G sampled completions o_1..o_G; rows are prompt-major, N = P·G. The
 advantages Â come from credit.py (rewards, shaping, group baselines). policy_loss forms, per token:
-1. The ratio ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t); with ratio_level="sequence" (GSPO,
-   Zheng et al. 2025, eq. 5) one ratio per row, s_i = exp(1/|o_i| Σ_t log ρ_i,t), in GSPO-token form
-   s_i,t = sg[s_i] · π_θ(o_i,t) / sg[π_θ(o_i,t)] (eq. 5 exactly only with
+1. The ratio ρ_t = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t); with ratio_level="sequence"
+   (GSPO, Zheng et al. 2025, eq. 5) one ratio per row, s_i = exp(1/|o_i| Σ_t log ρ_i,t), in
+   GSPO-token form s_i,t = sg[s_i] · π_θ(o_i,t) / sg[π_θ(o_i,t)] (eq. 5 exactly only with
    agg="seq_mean_token_mean").
 2. The surrogate s_t, chosen by pg_loss from PG_LOSSES, the table below: each entry is one small
    function with its formula and paper (clip: PPO / GRPO / DAPO; cispo; dppo_tv, dppo_kl; sapo;
    gmpo). A new loss is one function registered there; the Config's choices, checks.py and
    objective.py's printed formula read the same table.
-3. Weights and penalties: ℓ_t = −w_t s_t + β D_t + β_old (log ρ_t)²/2 + κ_t |log ρ_t|, where
-   w_t (pg_weight, detached) is truncated importance sampling of the sampler/trainer mismatch (Yao
-   et al. 2025), the top-entropy mask (Wang et al. 2025) or Clip-Cov's mask (Cui et al. 2025); D_t
-   the KL to π_ref (Schulman 2020), d_t = log π_ref(o_t) − log π_θ(o_t): k1 = −d_t, k2 = d_t²/2, k3
-   = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default). k3's value estimates the reverse KL(π_θ‖π_ref),
-   but per state E_{o~π_θ}[∇k3] = ∇KL(π_ref‖π_θ), the forward KL; E[∇k2] = ∇KL(π_θ‖π_ref); k1 in the
-   reward (credit.kl_reward) is the exact sequence-level gradient. β_old (kl_old) is DPPO's
-   companion k2 to π_old; κ_t (abs_kl) is KL-Cov's coefficient on its top-covariance tokens.
+3. Weights and penalties: ℓ_t = −w_t s_t + β D_t + β_old (log ρ_t)²/2 + κ_t |log ρ_t|,
+   where w_t (pg_weight, detached) is truncated importance sampling of the sampler/trainer
+   mismatch (Yao et al. 2025), the top-entropy mask (Wang et al. 2025) or Clip-Cov's mask (Cui
+   et al. 2025); D_t the KL to π_ref (Schulman 2020), d_t = log π_ref(o_t) − log π_θ(o_t):
+   k1 = −d_t, k2 = d_t²/2, k3 = e^d_t − d_t − 1 (DeepSeekMath eq. 4; default). k3's value
+   estimates the reverse KL(π_θ‖π_ref), but per state E_{π_θ}[∇k3] = ∇KL(π_ref‖π_θ),
+   the forward KL; E[∇k2] = ∇KL(π_θ‖π_ref); k1 in the reward (credit.kl_reward) is the
+   exact sequence-level gradient. β_old (kl_old): DPPO's k2 to π_old; κ_t (abs_kl): KL-Cov's.
 4. Aggregation (agg); the loss is −J:
-     "seq_mean_token_mean"      1/G Σ_i 1/|o_i| Σ_t ℓ_i,t        J_GRPO, DeepSeekMath eq. 3
-     "token_mean"               1/Σ_i |o_i| Σ_i Σ_t ℓ_i,t        DAPO §3.3 token-level loss, eq. 8
-     "seq_mean_token_sum_norm"  1/(G·Lmax) Σ_i Σ_t ℓ_i,t         Dr. GRPO §3, a constant normaliser
+     "seq_mean_token_mean"      1/G Σ_i 1/|o_i| Σ_t ℓ_i,t    J_GRPO, DeepSeekMath eq. 3
+     "token_mean"               1/Σ_i |o_i| Σ_i Σ_t ℓ_i,t    DAPO §3.3 token-level, eq. 8
+     "seq_mean_token_sum_norm"  1/(G·Lmax) Σ_i Σ_t ℓ_i,t     Dr. GRPO §3, constant norm
    Micro-batches / ranks: loss = Σ(local terms) / loss_scale, loss_scale = all-reduced Σ
    loss_normaliser(...), so the summed micro-batch losses equal the full-batch loss exactly.
 
@@ -85,7 +85,7 @@ def outside(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sg_weighted(weight: torch.Tensor, r: Ratios) -> torch.Tensor:
-    """sg(w)·Â·(1 + log π − sg(log π)): the value sg(w)·Â and the gradient sg(w)·Â·∇log π_θ of the
+    """sg(w) Â (1 + log π − sg(log π)): value sg(w) Â, gradient sg(w) Â ∇log π_θ, of the
     sg-weighted losses (CISPO, DPPO); nothing overflows where ρ does."""
     grad_carrier = 1 + r.logp - r.logp.detach()  # value 1, gradient ∇log π_θ
     return weight.detach() * r.adv * grad_carrier
@@ -93,8 +93,8 @@ def sg_weighted(weight: torch.Tensor, r: Ratios) -> torch.Tensor:
 
 @register("clip", "min({rho} Â, clip({rho}, 1−{lo}, 1+{hi}) Â)", title="")
 def clip(r: Ratios) -> Surrogate:
-    """PPO's clipped surrogate (DeepSeekMath eq. 3; DAPO §3.1 clip-higher with ε_high > ε_low, eq.
-    8): s_t = min(ρ_t Â_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â_t), the pessimistic side: clipping
+    """PPO's clipped surrogate (DeepSeekMath eq. 3; DAPO §3.1 clip-higher ε_high > ε_low, eq. 8):
+    s_t = min(ρ_t Â_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â_t), the pessimistic side: clipping
     removes the gain from moving ρ past the trust region, never a penalty. dual_clip c > 1 (Ye et
     al. 2020): s_t = max(s_t, c Â_t) where Â_t < 0, so the loss stops growing with ρ."""
     clipped = r.ratio.clamp(1 - r.eps_low, 1 + r.eps_high)
@@ -110,39 +110,40 @@ def clip(r: Ratios) -> Surrogate:
 @register("cispo", "sg(clip({rho}, 1−{lo}, 1+{hi})) Â log π_θ "
           "[train/loss logs −sg(clip)·Â, not −J_CISPO]", "CISPO")
 def cispo(r: Ratios) -> Surrogate:
-    """CISPO (MiniMax-M1 2025, §3.1): the gradient of sg(clip(ρ_t, 1 − ε_low, 1 + ε_high)) Â_t log
-    π_θ(o_t): every token keeps its gradient, only its weight is capped. The loss VALUE is −sg(clip
-    ρ)·Â, not −J_CISPO, whose log π term has no meaning as a number. clip_low/high: where ρ leaves
-    the range."""
+    """CISPO (MiniMax-M1 2025, §3.1): the gradient of sg(clip(ρ_t, 1 − ε_low, 1 + ε_high))
+    Â_t log π_θ(o_t): every token keeps its gradient, only its weight is capped. The loss VALUE
+    is −sg(clip ρ)·Â, not −J_CISPO, whose log π term means nothing as a number.
+    clip_low/high: where ρ leaves the range."""
     clipped = r.ratio.clamp(1 - r.eps_low, 1 + r.eps_high)
     low, high = outside(r)
     return Surrogate(sg_weighted(clipped, r), low, high, {})
 
 
 def dppo(r: Ratios, high: torch.Tensor, low: torch.Tensor) -> Surrogate:
-    """DPPO's shared form: M_t sg(min(ρ_t, C)) Â_t log π_θ(o_t), C = 20, where M_t = 0 (no gradient)
-    once the sampled token's divergence leaves the trust region in the direction Â pushes it."""
+    """DPPO's shared form: M_t sg(min(ρ_t, C)) Â_t log π_θ(o_t), C = 20, where M_t = 0 (no
+    gradient) once the sampled token's divergence leaves the trust region the way Â pushes it."""
     high, low = high & (r.adv > 0), low & (r.adv <= 0)
     surr = torch.where(high | low, 0.0, sg_weighted(r.ratio.detach().clamp(max=20.0), r))
     return Surrogate(surr, low, high, {})
 
 
-@register("dppo_tv", "1[π_θ − π_old ≤ {hi} if Â > 0, ≥ −{lo} else] sg(min({rho}, 20)) Â log π_θ",
-          "DPPO-TV")
+@register("dppo_tv", "1[π_θ − π_old ≤ {hi} if Â > 0, ≥ −{lo} else] "
+          "sg(min({rho}, 20)) Â log π_θ", "DPPO-TV")
 def dppo_tv(r: Ratios) -> Surrogate:
     """DPPO Binary-TV (Qi et al. 2026, arXiv 2602.04879; δ = ε): masked where Â > 0 and
-    π_θ(o_t) − π_old(o_t) > δ_high, or Â ≤ 0 and π_θ − π_old < −δ_low (the TV of the two-way
-    split)."""
+    π_θ(o_t) − π_old(o_t) > δ_high, or Â ≤ 0 and π_θ − π_old < −δ_low (the TV of
+    the two-way split)."""
     p, p_old = r.logp.detach().exp(), torch.where(r.valid, r.old_logp, 0.0).exp()
     return dppo(r, p - p_old > r.eps_high, p - p_old < -r.eps_low)
 
 
-@register("dppo_kl", "1[D_bin(π_old‖π_θ) ≤ {hi} (Â > 0, π_θ > π_old), ≤ {lo} (Â ≤ 0, π_θ < π_old)] "
-          "sg(min({rho}, 20)) Â log π_θ", "DPPO-KL")
+@register("dppo_kl", "1[D_bin(π_old‖π_θ) ≤ {hi} (Â > 0, π_θ > π_old), "
+          "≤ {lo} (Â ≤ 0, π_θ < π_old)] sg(min({rho}, 20)) Â log π_θ", "DPPO-KL")
 def dppo_kl(r: Ratios) -> Surrogate:
-    """DPPO Binary-KL (Qi et al. 2026): the KL p_old log(p_old/p) + (1 − p_old) log((1 − p_old)/(1 −
-    p)) of the sampled token's probability, masked above δ_high (p > p_old, Â > 0) or δ_low (p <
-    p_old, Â ≤ 0). log1p keeps p → 1 finite (capped at 1 − 1e-6)."""
+    """DPPO Binary-KL (Qi et al. 2026): the KL p_old log(p_old/p) + (1 − p_old)
+    log((1 − p_old)/(1 − p)) of the sampled token's probability, masked above δ_high
+    (p > p_old, Â > 0) or δ_low (p < p_old, Â ≤ 0). log1p keeps p → 1 finite (capped at
+    1 − 1e-6)."""
     p, p_old = r.logp.detach().exp(), torch.where(r.valid, r.old_logp, 0.0).exp()
     top = 1 - 1e-6
     stay = p_old * (r.old_logp.detach() - r.logp.detach()) * r.valid
@@ -153,9 +154,9 @@ def dppo_kl(r: Ratios) -> Surrogate:
 
 @register("sapo", "4/τ σ(τ({rho} − 1)) Â, τ = {tau_pos} (Â > 0) | {tau_neg}", "SAPO")
 def sapo(r: Ratios) -> Surrogate:
-    """SAPO's soft gate (Gao et al. 2025, arXiv 2511.20347): s_t = 4/τ σ(τ(ρ_t − 1)) Â_t, τ = τ_pos
-    if Â_t > 0 else τ_neg; ∇s_t = 4σ(1 − σ) ρ_t Â_t ∇log π: weight 1 at ρ = 1, fading smoothly
-    off-policy. |log ρ| ≤ 20 keeps exp finite where σ' is already 0."""
+    """SAPO's soft gate (Gao et al. 2025, arXiv 2511.20347): s_t = 4/τ σ(τ(ρ_t − 1)) Â_t,
+    τ = τ_pos if Â_t > 0 else τ_neg; ∇s_t = 4σ(1 − σ) ρ_t Â_t ∇log π: weight 1 at
+    ρ = 1, fading smoothly off-policy. |log ρ| ≤ 20 keeps exp finite where σ' is already 0."""
     # τ in Â's dtype, so float64 stays exact
     tau = torch.full_like(r.adv, r.tau_neg).masked_fill(r.adv > 0, r.tau_pos)
     gate = 4 / tau * torch.sigmoid(tau * (r.log_ratio.clamp(-20, 20).exp() - 1))
@@ -165,8 +166,8 @@ def sapo(r: Ratios) -> Surrogate:
 
 @register("gmpo", "Â_i Π_t clip_[e^−{lo}, e^{hi}](ρ_t)^(1/|o_i|) (sign-pessimistic)", "GMPO")
 def gmpo(r: Ratios) -> Surrogate:
-    """GMPO (Zhao et al. 2025, arXiv 2507.20673), with its log-space clip: per sequence
-    Â_i · exp(1/|o_i| Σ_t sgn(Â_i) min(sgn(Â_i) log ρ_t, sgn(Â_i) clip(log ρ_t, −ε_low, ε_high))),
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673), its log-space clip: per row, s_i = sgn(Â_i),
+    Â_i · exp(1/|o_i| Σ_t s_i min(s_i log ρ_t, s_i clip(log ρ_t, −ε_low, ε_high))):
     the geometric mean of the token ratios; its value sits on every token of row i, so
     agg="seq_mean_token_mean" is 1/G Σ_i. Takes token ratios (it forms its own mean)."""
     sgn = r.adv.sign()
@@ -212,9 +213,9 @@ def _aggregate(per_tok: torch.Tensor, valid: torch.Tensor, agg: str, max_len: Op
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) at tokens sampled from π_θ: [N, L] twice -> [N, L].
-    k1 = −d is unbiased but signed, k2 = d²/2 is ≥ 0 but biased, k3 = e^d − d − 1 is both (Schulman
-    2020)."""
+    """Per-token estimate of KL(π_θ‖π_ref) at tokens sampled from π_θ: [N, L] × 2 -> [N, L].
+    k1 = −d is unbiased but signed, k2 = d²/2 is ≥ 0 but biased, k3 = e^d − d − 1 is both
+    (Schulman 2020)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {estimator!r}; use one of {KL_ESTIMATORS}")
     d = ref_logp - logp
@@ -265,7 +266,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     log_ratio = tok_log_ratio
     count = valid.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
     if ratio_level == "sequence":
-        # GSPO-token: the value is s_i, the gradient s_i ∇log π_θ(o_i,t); with one Â_i per row and
+        # GSPO-token: value s_i, gradient s_i ∇log π_θ(o_i,t); with one Â_i per row and
         # agg="seq_mean_token_mean" the loss and its gradient are GSPO's eq. 5 exactly
         seq_log_ratio = log_ratio.sum(1, keepdim=True) / count  # [N, 1]
         log_ratio = torch.where(valid, seq_log_ratio.detach() + logp - logp.detach(), 0.0)
@@ -287,8 +288,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     per_tok = torch.where(valid, per_tok, 0.0)
     loss = _aggregate(per_tok, valid, agg, max_len, loss_scale)
 
-    # metrics: clip_low / clip_high, where the trust region takes the token's gradient away (clip,
-    # gmpo, dppo); for CISPO and SAPO, where ρ leaves [1 − ε_low, 1 + ε_high] (it keeps a gradient)
+    # metrics: clip_low / clip_high, where the trust region takes the token's gradient away
+    # (clip, gmpo, dppo); for CISPO and SAPO, where ρ leaves [1 − ε_low, 1 + ε_high] (kept)
     with torch.no_grad():
         n_tok = valid.sum()
         denom = n_tok.clamp(min=1).float()
@@ -305,11 +306,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def cov_select(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, mode: str,
                frac: float, low: float = 1.0, high: float = 5.0,
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Clip-Cov / KL-Cov token selection (Cui et al. 2025, arXiv 2505.22617): cov_t = (Â_t − mean
-    Â)(log π_old(o_t) − mean log π_old), means over the valid tokens. mode "kl": the k = max(1,
-    ⌊frac·n⌋) largest cov_t (KL-Cov); "clip": k drawn uniformly (generator) from the tokens with low
-    < cov_t < high (Clip-Cov). Pass the GLOBAL batch (all ranks' tokens, one canonical order):
-    old_logp, mask [N, L]; advantages [N] or [N, L] -> bool [N, L]."""
+    """Clip-Cov / KL-Cov token selection (Cui et al. 2025, arXiv 2505.22617): cov_t = (Â_t −
+    mean Â)(log π_old(o_t) − mean log π_old), means over the valid tokens. mode "kl": the
+    k = max(1, ⌊frac·n⌋) largest cov_t (KL-Cov); "clip": k drawn uniformly (generator) from the
+    tokens with low < cov_t < high (Clip-Cov). Pass the GLOBAL batch (all ranks' tokens, one
+    canonical order): old_logp, mask [N, L]; advantages [N] or [N, L] -> bool [N, L]."""
     if mode not in ("clip", "kl") or not 0 < frac <= 1:
         raise ValueError(f"cov mode {mode!r} / frac {frac}: use 'clip' or 'kl' and 0 < frac <= 1")
     valid = mask != 0
@@ -333,11 +334,11 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
                 level: str = "token", mode: str = "truncate", cap: float = 2.0):
     """Truncated importance sampling of the sampler/trainer mismatch (Yao et al. 2025): detached
     weights w = π_old/π_sampler, the trainer's old log-probs over the sampler's recorded ones, per
-    token or (level= "sequence") one product per row; mode "truncate": min(w, C); "mask": w if 1/C ≤
-    w ≤ C, else 0 (IcePop's two-sided band, Ling Team 2025, "Every Step Evolves", for tokens);
-    "mask_high": w if w ≤ C, else 0 (the one-sided masked IS, Seq-MIS with level="sequence", of Liu
-    et al. 2025, "When Speed Kills Stability"). [N, L] thrice -> (weights [N, L] float32, 0 on
-    padding; metrics: raw w's token mean and max, fraction cut)."""
+    token or (level="sequence") one product per row; mode "truncate": min(w, C); "mask": w if
+    1/C ≤ w ≤ C, else 0 (IcePop's two-sided band, Ling Team 2025, "Every Step Evolves", for
+    tokens); "mask_high": w if w ≤ C, else 0 (the one-sided masked IS, Seq-MIS with
+    level="sequence", of Liu et al. 2025, "When Speed Kills Stability"). [N, L] thrice ->
+    (weights [N, L] float32, 0 on padding; metrics: raw w's token mean and max, fraction cut)."""
     if level not in TIS_LEVELS or mode not in TIS_MODES or not cap >= 1:
         raise ValueError(f"tis level {level!r} / mode {mode!r} / cap {cap}: "
                          f"use {TIS_LEVELS} / {TIS_MODES} / >= 1")
@@ -364,10 +365,10 @@ def tis_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.
 
 def entropy_threshold(entropy: torch.Tensor, q: float,
                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """τ for the top-entropy mask (Wang et al. 2025): the k-th largest entropy, k = ⌈q·n⌉ of the n
-    valid ones (mask, any shape; all of them without one); 0-d. Pass every token of the global batch
-    (all-gather across ranks). Ties: every token with H_t = τ is kept, so slightly more than q·n may
-    pass. q = 1 keeps all."""
+    """τ for the top-entropy mask (Wang et al. 2025): the k-th largest entropy, k = ⌈q·n⌉ of
+    the n valid ones (mask, any shape; all of them without one); 0-d. Pass every token of the
+    global batch (all-gather across ranks). Ties: every token with H_t = τ is kept, so slightly
+    more than q·n may pass. q = 1 keeps all."""
     if not 0 < q <= 1:
         raise ValueError(f"top-entropy q must be in (0, 1], got {q}")
     # τ in the entropies' own dtype: a float32 τ of float64 entropies drops a tied block at τ

@@ -24,7 +24,7 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised.
 completion_logprobs() is generate's twin on the trainer side: one causal forward over prompt +
-completion, the same filter_logits, so the trainer's π (and π_old) of a token is the sampler's, and
+completion, the same filter_logits, so the trainer's π (and π_old) of a token is the sampler's and
 the importance ratio π/π_old starts at 1 (sampling at T = 0.7 and training on the raw softmax is a
 known bug). Greedy (T = 0) takes the argmax of the raw logits and records log_softmax(raw logits) at
 it; top_k/top_p do not apply.
@@ -117,7 +117,7 @@ def _chunk_log_softmax(h, w, temperature, top_k, top_p):
 class HeadLogProbs(torch.autograd.Function):
     """log π(target) [M] and entropy [M] of π = filter(h Wᵀ / T) for M hidden states h [M, C],
     `chunk` rows at a time. Backward recomputes each chunk's logits, so one [chunk, V] block is
-    alive at a time, never [M, V]: with z = logits / T, ∂ log π(t) / ∂z = onehot(t) − π on the kept
+    alive at once, never [M, V]: with z = logits/T, ∂log π(t)/∂z = onehot(t) − π on the kept
     set, and ∂z / ∂logits = 1/T (1 at T = 0)."""
 
     @staticmethod
@@ -189,7 +189,7 @@ def completion_log_softmax(model, prompts: list[list[int]], comps: torch.Tensor,
                            top_k: int = 0, top_p: float = 1.0, lengths: list[int] | None = None):
     """completion_logprobs' forward keeping the whole log softmax of π at each of the M completion
     tokens -> (log π [M, V] float32, targets [M], valid [n, L]). The same chunks of the same
-    hidden states, so log π[target] is bitwise completion_logprobs'; memory M × V: small V only."""
+    hidden states, so log π[target] is bitwise completion_logprobs'; memory M·V: small V only."""
     def head(h, w, targets, chunk):                                                     # [M, V]
         return torch.cat([_chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)
                           for i in range(0, len(h), chunk)])

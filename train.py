@@ -348,7 +348,7 @@ def pass_before_update(run: Run, batch: Batch) -> list[tuple]:
 def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None) -> torch.Tensor:
     """Â [N] of the global batch (credit.group_advantages), or with reward = "process" Â [N, L]
     (credit.process_advantages): each step's 0/1 reward (verify.step_rewards) at its last token,
-    the shaped outcome reward at the last. shift [N] (−β Σ_t k1, KL in the reward) comes first."""
+    the shaped outcome reward at the end; shift [N] (KL in the reward, −β Σ_t k1) goes first."""
     cfg = run.cfg
     rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
     if cfg.reward != "process":  # "none": zero rewards, so Â = 0 (pure distillation)
@@ -374,7 +374,7 @@ def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None)
 
 def batch_advantages(run: Run, batch: Batch, before: list[tuple]) -> torch.Tensor:
     """Â of this rank's rows, [n + 1] or [n + 1, L] (0 on the pad row), over the global batch;
-    KL in the reward shifts each reward by −β Σ_t k1 (credit.kl_reward), gathered in row order."""
+    KL in the reward shifts each reward by −β Σ_t k1 (credit.kl_reward), gathered by row."""
     cfg, dev = run.cfg, run.proc.device
     shift = None
     if cfg.kl_in_reward:
@@ -458,7 +458,7 @@ def token_weights(run: Run, old: OldPolicy, sampler_logp: torch.Tensor,
 
 
 def ref_logprobs(run: Run, batch: Batch, rows: list[int]) -> torch.Tensor | None:
-    """log π_ref [n, L] of a micro-batch for β·KL in the loss (kl_in = "loss", β > 0), else None."""
+    """log π_ref [n, L] of a micro-batch for β·KL in the loss (kl_in "loss", β > 0), or None."""
     if not (run.cfg.beta > 0 and run.cfg.kl_in == "loss"):
         return None
     with torch.no_grad():
@@ -482,7 +482,7 @@ class Tally:
 
     def add(self, run: Run, loss, metrics: dict, tis: dict, old: OldPolicy, sampler_logp, mask,
             entropy):
-        # log π_old − log μ on the sampled tokens: a scoring mismatch between sampler and trainer
+        # log π_old − log μ on the sampled tokens: the sampler/trainer scoring mismatch
         diff = (old.logp - sampler_logp) * mask
         maxes = [("train/logprob_gap_max", diff.abs().amax())]
         if tis:

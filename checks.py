@@ -17,7 +17,7 @@ import json
 import os
 
 from cli import UserError
-from lora import TARGETS
+import lora
 
 FRESH = "with no init_from (a fresh model)"
 RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that SFT-only runs pass; bounds below
@@ -71,7 +71,7 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("task", "sft_steps"), lambda c: c.task != "reasoning_gym" or c.sft_steps == 0,
      "{task} has no worked solutions to imitate: {sft_steps} must be 0"),
     (("adv_scale", "overlong_buffer", "kl_in", "beta"), lambda c: c.adv_scale != "maxrl" or c.overlong_buffer == 0
-     and not (c.kl_in == "reward" and c.beta > 0), "{adv_scale} divides by the group's mean reward, a success rate:"
+     and not c.kl_in_reward, "{adv_scale} divides by the group's mean reward, a success rate:"
      " no negative shaping ({overlong_buffer}, {kl_in} with {beta})"),
     (("kl_in", "beta"), lambda c: c.kl_in == "loss" or c.beta > 0, "{kl_in} subtracts β·k1 from the reward: set "
      "{beta} > 0"),
@@ -88,9 +88,8 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
      "{max_staleness} must be 0, or > 0 with {sampler_ranks} > 0: the colocated loop samples the weights it trains"),
     (("lora_rank", "lora_alpha"), lambda c: c.lora_rank == 0 or c.lora_alpha > 0,
      "{lora_alpha} must be > 0 with {lora_rank} (the adapter's scale is α / r)"),
-    (("lora_rank", "lora_targets"), lambda c: c.lora_rank == 0 or c.lora_targets == "all" or
-     {t.strip() for t in c.lora_targets.split(",")} <= set(TARGETS),
-     "{lora_targets} must be 'all' or a comma list of " + ", ".join(TARGETS) + " with {lora_rank}"),
+    (("lora_rank", "lora_targets"), lambda c: c.lora_rank == 0 or lora.targets_ok(c.lora_targets),
+     "{lora_targets} must be 'all' or a comma list of " + ", ".join(lora.TARGETS) + " with {lora_rank}"),
     # star.StarConfig
     (("algo", "sampler_ranks"), lambda c: c.sampler_ranks == 0, "{sampler_ranks} is train.py's: star.py samples "
      "on every rank"),

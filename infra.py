@@ -156,11 +156,11 @@ def shard(model: Transformer, proc: Proc):
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def full_state(model, opt=None, rank0_only=True):
+def full_state(model, opt=None, rank0_only=True, weights=True):
     """Unsharded model (and optimizer) state dicts, keyed by parameter names; every rank of this
     side calls (each sharded tensor is all-gathered in turn, then moved to the CPU, so the peak
     extra device memory is one tensor); rank0_only: only this side's rank 0 keeps them (None values
-    on the others)."""
+    on the others); weights=False: no model state (None)."""
     if not dist.is_initialized():
         return model.state_dict(), opt and opt.state_dict()
     # keep: this side's rank 0 (dcp's own rank 0 is global)
@@ -173,8 +173,8 @@ def full_state(model, opt=None, rank0_only=True):
             return [gather(v) for v in x]
         x = x.full_tensor() if isinstance(x, DTensor) else x
         return (x.cpu() if keep else None) if isinstance(x, torch.Tensor) else x
-    return gather(dcp.get_model_state_dict(model, options=opts)), None if opt is None else \
-        gather(dcp.get_optimizer_state_dict(model, opt, options=opts))
+    model_sd = gather(dcp.get_model_state_dict(model, options=opts)) if weights else None
+    return model_sd, opt and gather(dcp.get_optimizer_state_dict(model, opt, options=opts))
 
 
 def frozen_copy(model, device) -> Transformer:
@@ -189,7 +189,7 @@ def frozen_copy(model, device) -> Transformer:
 
 @torch.no_grad()
 def refresh(copy, model, lazy=False):
-    """copy ← model's weights (LoRA: W + (α/r)·B A) in place, for a CUDA graph reads addresses; one
+    """copy ← model's weights (LoRA: W + (α/r)·BA) in place: a CUDA graph reads addresses; one
     parameter at a time in one order on every rank, cast to copy's dtype (bf16 on CUDA) before it
     is gathered: the peak is one parameter. lazy (an optimizer step): only mark it stale."""
     if copy is not None:
@@ -280,9 +280,9 @@ def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, 
     ({"optimizer": ..., **trainer_state}) and ref_model.pt when a reference model is given; keeps
     the newest `keep` checkpoints (0: all). A LoRA model: the merged weights, and its adapter in
     PEFT's format over `base` (lora.py step 3)."""
-    model_sd, opt_sd = full_state(model, opt)
-    if adapter := lora.adapter_state(model):  # every rank gathers; {} without LoRA
-        model_sd = lora.merged_state(model, keep=proc.rank == 0)
+    adapter = lora.adapter_state(model)  # every rank gathers; {} without LoRA
+    model_sd, opt_sd = full_state(model, opt, weights=not adapter)  # LoRA: merged, gathered once
+    model_sd = lora.merged_state(model, keep=proc.rank == 0) if adapter else model_sd
     if proc.rank == 0:
         final = os.path.join(out_dir, f"step_{step}")
         shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)

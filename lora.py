@@ -67,12 +67,16 @@ def full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+def targets_ok(targets: str) -> bool:
+    """"all", or a comma list of TARGETS' names (spaces around a name allowed, no empty name)."""
+    return targets == "all" or {t.strip() for t in targets.split(",")} <= set(TARGETS)
+
+
 def parse_targets(targets: str) -> tuple[str, ...]:
-    """"all" or a comma list of TARGETS' names -> the tuple; an unknown name is a ValueError."""
-    names = TARGETS if targets == "all" else tuple(t.strip() for t in targets.split(",") if t.strip())
-    if not names or set(names) - set(TARGETS):
+    """lora_targets -> the tuple of names (targets_ok's rule; otherwise a ValueError)."""
+    if not targets_ok(targets):
         raise ValueError(f"lora_targets {targets!r}: use 'all' or a comma list of {', '.join(TARGETS)}")
-    return names
+    return TARGETS if targets == "all" else tuple(t.strip() for t in targets.split(","))
 
 
 def wrap(model: nn.Module, rank: int, alpha: float, targets: str = "all",

@@ -48,7 +48,7 @@ def objective(cfg) -> str:
         else ""
     pen += f" − {cfg.kl_old}·(log ρ_t)²/2" if cfg.kl_old > 0 else ""
     pen += f" − {cfg.cov_kl_coef}·1[t ∈ top {cfg.cov_frac:g} cov]·|log ρ_t|" if cfg.cov == "kl" else ""
-    adv += f",  r_i ← r_i − {cfg.beta}·Σ_t k1 (KL in the reward)" if cfg.beta > 0 and cfg.kl_in == "reward" else ""
+    adv += f",  r_i ← r_i − {cfg.beta}·Σ_t k1 (KL in the reward)" if cfg.kl_in_reward else ""
     adv = "0 (reward off)" if cfg.reward == "none" else adv
     opd = getattr(cfg, "teacher", "") and cfg.opd_weight > 0  # distill.py: the sampled-token reverse KL, discount 0
     adv += f",  Â_t += {cfg.opd_weight:g}·(log π_T(o_t) − log π_old(o_t)) per token [sampled-token reverse " \
@@ -76,7 +76,7 @@ def whole_batch_pass(run, logprobs, prompts: list, comps: list, plan: list[list[
     (logprobs: train.policy_logprobs): what the top-entropy τ, KL in the reward and Clip-/KL-Cov need before the
     first update."""
     cfg = run.cfg
-    with_ref = cfg.kl_in == "reward" and cfg.beta > 0
+    with_ref = cfg.kl_in_reward
     out = []
     with torch.no_grad():
         for rows in plan:

@@ -140,10 +140,11 @@ class Wire:
             time.sleep(nap)
             nap = min(2 * nap, 0.01)
 
-    def collective(self, fn, what: str):
+    def guard(self, fn, what: str):
+        """fn() (a collective or a store op), its failure raised as a SideError naming what it was doing."""
         try:
             return fn()
-        except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout
+        except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout; the store's host gone
             self.fail(f"{what} failed (the other side died or timed out)", e)
 
     def put(self, key: str, obj):
@@ -151,19 +152,18 @@ class Wire:
         buf = io.BytesIO()
         _CPUOnly(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         data = buf.getbuffer()
-        chunks = range(0, max(len(data), 1), CHUNK_BYTES)
-        for i, at in enumerate(chunks):
-            self.store.set(f"{key}/{i}", bytes(data[at:at + CHUNK_BYTES]))
-        self.store.set(key, str(len(chunks)))
+        chunks = [bytes(data[at:at + CHUNK_BYTES]) for at in range(0, max(len(data), 1), CHUNK_BYTES)]
+        for i, value in enumerate(chunks + [str(len(chunks))]):  # the count last, under key itself
+            self.guard(lambda: self.store.set(f"{key}/{i}" if i < len(chunks) else key, value), f"posting {key}")
 
     def get(self, key: str, what: str, readers: int):
         """put's object, once it is there; the last of `readers` processes to read it deletes its keys."""
-        n = int(self.wait_key(key, what))
-        obj = pickle.loads(b"".join(self.store.get(f"{key}/{i}") for i in range(n)))
-        if self.store.add(f"{key}/read", 1) == readers:
+        n = int(self.wait_key(key, what))  # the store's host may die from here on too
+        parts = [self.guard(lambda: self.store.get(f"{key}/{i}"), f"reading {what}") for i in range(n)]
+        if self.guard(lambda: self.store.add(f"{key}/read", 1), f"reading {what}") == readers:
             for k in [f"{key}/{i}" for i in range(n)] + [key, f"{key}/read"]:
-                self.store.delete_key(k)
-        return obj
+                self.guard(lambda: self.store.delete_key(k), f"deleting {what}")
+        return pickle.loads(b"".join(parts))
 
 
 def buckets(model) -> list[list[torch.Tensor]]:
@@ -190,7 +190,7 @@ class SamplerLink:
         self.heads += 1
         for b in buckets(model) if head.get("weights") else []:
             flat = torch.empty(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
-            self.wire.collective(lambda: dist.broadcast(flat, self.wire.peer, self.weights), "receiving the weights")
+            self.wire.guard(lambda: dist.broadcast(flat, self.wire.peer, self.weights), "receiving the weights")
             for p, x in zip(b, flat.split([p.numel() for p in b])):
                 p.data.copy_(x.view_as(p))
         return head
@@ -222,18 +222,18 @@ class TrainerLink:
         self.settle("the previous weight broadcast")  # its buffers go before the next are built
         self.post(head)  # the header first: a sampler joins the broadcasts once it reads it
         for flat in [torch.cat([p.detach().reshape(-1) for p in b]) for b in buckets(model)] if model else []:
-            self.works.append(self.wire.collective(
+            self.works.append(self.wire.guard(
                 lambda: dist.broadcast(flat, self.wire.rank, group=self.weights, async_op=True), "posting the weights"))
 
     def settle(self, what: str = "the last weight broadcast"):
         """Waits for the leader's last weight broadcasts to the samplers and frees them: before publish, eval, save."""
         t0 = time.time()
         for w in self.works:
-            self.wire.collective(lambda: w.wait(timedelta(seconds=self.wire.hung_s)), what)
+            self.wire.guard(lambda: w.wait(timedelta(seconds=self.wire.hung_s)), what)
         self.works, self.settled_s = [], self.settled_s + time.time() - t0  # idle: the next take's wait
 
     def post(self, head: dict):
-        self.wire.store.set(f"head/{self.heads}", pickle.dumps(head))
+        self.wire.guard(lambda: self.wire.store.set(f"head/{self.heads}", pickle.dumps(head)), "posting a header")
         self.heads += 1
 
     def receive(self, state) -> dict:

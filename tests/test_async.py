@@ -270,6 +270,35 @@ def test_a_message_goes_through_the_store_in_chunks_and_the_last_reader_deletes_
         w.close()
 
 
+def test_the_store_dying_after_a_message_arrived_is_a_side_error(monkeypatch):
+    """The store's host (rank 0) killed between wait_key's answer and the read (a CI flake: a bare
+    DistNetworkError escaped): reading the chunks, counting the readers, deleting and posting fail as a
+    SideError naming this side and what it was doing."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    w = _wire(monkeypatch, 1, "trainer", 0, host.port)
+    real = w.store
+
+    def dies_at(op):  # the key itself still answers (wait_key saw it); then `op` finds the host gone
+        def gone(key, *a):
+            if op == "set" or key != "roll/3":
+                raise dist.DistNetworkError("Connection reset by peer")
+            return getattr(real, op)(key, *a)
+        ops = {name: getattr(real, name) for name in ("check", "get", "add", "delete_key")}
+        return types.SimpleNamespace(**{**ops, op: gone})
+    for op in ("get", "add", "delete_key"):
+        w.put("roll/3", {"step": 3})
+        w.store = dies_at(op)
+        with pytest.raises(async_rl.SideError, match="trainer rank 1 at step 0: (reading|deleting) the "
+                                                     "rollouts of step 3 failed .*reset by peer"):
+            w.get("roll/3", "the rollouts of step 3", readers=1)
+        w.store = real
+    w.store = dies_at("set")
+    with pytest.raises(async_rl.SideError, match="posting roll/4 failed .*reset by peer"):
+        w.put("roll/4", {"step": 4})
+    w.store = real
+    w.close()
+
+
 def test_evaluate_settles_the_weight_broadcast_before_it_samples(monkeypatch):
     """On NCCL a CUDA graph recorded during an eval synchronizes the device, pending broadcast included; the leader
     settles it first, so nothing pending is left for an eval (or a checkpoint) to wait on."""

@@ -58,6 +58,12 @@ class Config:
                                         #   step off by 1-3)
     sft_answer_filter: bool = False     # drop demos whose final answer is wrong (answer-filtered
                                         #   SFT, RFT-like)
+    sft_tool_frac: float = 0.0          # arithmetic with tools: share of demos that call the tool
+                                        #   at every step, always right ([a*b]{c}); the rest mental
+    # --- tools (tooluse.py): results join the row as forced tokens, masked from every loss
+    tools: str = ""                     # "" (off) | calculator (tooluse.TOOLS)
+    max_tool_calls: int = 4             # calls answered per completion; later ones are plain text
+    max_tool_tokens: int = 24           # tokens of one result's text (cut), its wrapper apart
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
     eval_min_ops: int = 2

@@ -6,28 +6,29 @@ A step of a batch of B rows (Decoder: every tensor it reads or writes, updated i
      built on the device from (start, slot) over `cache.width` slots, RoPE rows are gathered by
      position: no Python int changes per token, so shapes are static (model.Attention.decode);
   2. z = filter(logits / T) (top-k, top-p), token t ~ z by inverting the CDF at the row's noise[t];
-  3. write the token, its log-prob and the live flag at (row, t) of the Outputs (pad and 0 once a
-     row stopped; a row at logits that are not finite ends there, counted in Outputs.nonfinite);
-  4. live &= token not a stop id; t += 1. A finished row stays in the batch, masked: only the host,
-     every few steps, moves the live rows into a smaller batch (batch()).
-A captured graph reads fixed addresses: a static batch's DecodeBuffers (cache, row state) and the
-Outputs are made once per model (and power-of-two batch size) at one capacity (reserve), kept in
-_BUFFERS, marked static without a guard; a new call copies its rows into them. Bounds: < 2 x the
-largest first batch rows held; a frame per sampling setting, whatever the sizes.
+  3. a row with a tool result queued (tooluse.py) takes its next token instead: forced, no log-prob;
+  4. write the token, its log-prob, the live and policy flags at (row, t) of the Outputs (pad and 0
+     once a row stopped; a row at logits that are not finite ends there, in Outputs.nonfinite);
+  5. live &= sampled token not a stop id; t += 1. A finished row stays in the batch, masked: only
+     the host, every few steps, moves the live rows into a smaller batch (batch()).
+A captured graph reads fixed addresses: a static batch's Decoder and the Outputs are made once per
+model (and power-of-two batch size) at one capacity (reserve), kept in _BUFFERS, marked static
+without a guard; a call copies its rows in. Bounds: < 2 x the largest first batch rows held; a
+frame per sampling setting, whatever the sizes, tools or not.
 
   python -m pytest -q tests/test_decode.py tests/test_rollout.py
   python -m tools.bench --device cuda
 """
+import dataclasses
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 CDF_BLOCK = 1024  # the two-level inverse CDF's block: 148 blocks and a tail of a 151,936 vocabulary
-# device -> vocabularies above this search the CDF in two levels; never on CPU, where one float64
-TWO_LEVEL_ABOVE = {"cuda": 8192}  # cumsum measured faster, at 4,096 and at 151,936 tokens
+# device -> larger vocabularies search the CDF in two levels (CPU: never; one cumsum was faster)
+TWO_LEVEL_ABOVE = {"cuda": 8192}
 
 
 def sample(z: torch.Tensor, u: torch.Tensor | None):
@@ -89,21 +90,22 @@ class Outputs(NamedTuple):
     the writes of a static batch's padding rows; L >= the call's max_new_tokens (the capacity)."""
     ids: torch.Tensor        # [R + 1, L] long, pad_id where no token was generated
     logprobs: torch.Tensor   # [R + 1, L] float32, log-prob under the sampling distribution, else 0
-    mask: torch.Tensor       # [R + 1, L] bool, a token was generated
+    mask: torch.Tensor       # [R + 1, L] bool, a token is in the row (sampled or forced)
+    policy: torch.Tensor     # [R + 1, L] bool, the token was sampled (a forced one is context)
     nonfinite: torch.Tensor  # [R + 1] long, > 0: the row ended at logits that were not finite
 
     @classmethod
     def empty(cls, rows: int, L: int, device) -> "Outputs":
         per_token = (torch.empty(rows, L, dtype=t, device=device)
-                     for t in (torch.long, torch.float, torch.bool))
+                     for t in (torch.long, torch.float, torch.bool, torch.bool))
         return cls(*per_token, torch.empty(rows, dtype=torch.long, device=device))
 
     def clear(self, pad_id: int):  # every row empty, for a new call (static: the same tensors)
-        for buf, value in zip(self, (pad_id, 0.0, False, 0)):
+        for buf, value in zip(self, (pad_id, 0.0, False, False, 0)):
             buf.fill_(value)
 
 
-@dataclass
+@dataclasses.dataclass
 class Decoder:
     """A batch's decode state; settings are Python constants the compiled step specialises on."""
     cache: "model.KVCache"  # noqa: F821
@@ -112,56 +114,51 @@ class Decoder:
     rows: torch.Tensor      # [B] output row of each batch row (N: a padding row of a static batch)
     noise: torch.Tensor     # [B, L] float64, each row's uniform per position
     t: torch.Tensor         # 0-d long: the position sampled next
+    queue: torch.Tensor     # [B, L] long, a row's forced tokens (a tool's result) from 0
+    qpos: torch.Tensor      # [B] long, the next forced token; forced while qpos < qlen
+    qlen: torch.Tensor      # [B] long, forced tokens queued
+    called: torch.Tensor    # [B] bool, this step sampled a token in `close`
     out: Outputs            # shared by every batch of one call
     stop: torch.Tensor      # [k] stop ids, k >= 2
+    close: torch.Tensor     # [k] the tools' closing-marker ends, k >= 2 (-1: padding)
     settings: tuple         # (temperature, top_k, top_p, pad_id)
 
 
 def record(d: Decoder, logits: torch.Tensor):
-    """Steps 2-4 from logits [B, V] (token 0: the prefill's). A row at logits not finite (NaN or
+    """Steps 2-5 from logits [B, V] (token 0: the prefill's). A row at logits not finite (NaN or
     inf: log-prob NaN) ends there, without a token, counted in out.nonfinite: no index error."""
     temperature, top_k, top_p, pad_id = d.settings
     u = d.noise.index_select(1, d.t.view(1))[:, 0] if temperature > 0 else None    # [B] or greedy
     tok, logp = sample(filter_logits(logits, temperature, top_k, top_p), u)        # [B], [B]
-    bad = logp.isnan()                                                             # [B]
+    forced, at_q = d.qpos < d.qlen, d.qpos.clamp(max=d.queue.shape[1] - 1)[:, None]   # [B], [B, 1]
+    tok = torch.where(forced, d.queue.gather(1, at_q)[:, 0], tok)                  # [B]
+    bad = logp.isnan() & ~forced                                                   # [B]
     live = d.live & ~bad
+    policy = live & ~forced
     at = (d.rows, d.t.expand(len(d.rows)))                                         # (row, t)
-    written = (tok.masked_fill(~live, pad_id), logp.masked_fill(~live, 0.0), live)
-    for buf, x in zip((d.out.ids, d.out.logprobs, d.out.mask), written):
+    written = (tok.masked_fill(~live, pad_id), logp.masked_fill(~policy, 0.0), live, policy)
+    for buf, x in zip((d.out.ids, d.out.logprobs, d.out.mask, d.out.policy), written):
         buf.index_put_(at, x)
     d.out.nonfinite.index_put_((d.rows,), (bad & d.live).long(), accumulate=True)
-    d.live.logical_and_(~bad).logical_and_(~torch.isin(tok, d.stop))  # stop: -1-padded, never empty
+    d.live.logical_and_(~bad).logical_and_(forced | ~torch.isin(tok, d.stop))  # stop: -1-padded
+    d.called.copy_(policy & torch.isin(tok, d.close))
+    d.qpos.add_(forced.long())
     d.tok.copy_(tok)
     d.t.add_(1)
 
 
 def step(model, d: Decoder):
-    """Steps 1-4: feed each row's last token, sample the next."""
+    """Steps 1-5: feed each row's last token, sample (or force) the next."""
     record(d, model(d.tok[:, None], d.cache)[:, -1])
 
 
-class DecodeBuffers(NamedTuple):
-    """A static batch's persistent tensors: its KV cache and the Decoder's per-row state, which
-    batch() copies each new batch's rows into, so a captured graph finds them at fixed addresses."""
-    cache: "model.KVCache"  # noqa: F821
-    tok: torch.Tensor       # [B] long
-    live: torch.Tensor      # [B] bool
-    rows: torch.Tensor      # [B] long
-    t: torch.Tensor         # 0-d long
-    noise: torch.Tensor     # [B, L] float64, L the capacity: columns past a call's L stay stale
-
-
-# model -> {B: (DecodeBuffers, their tensors), "out": (Outputs, their tensors)}
+# model -> {B: (a B-row Decoder, its tensors), "out": (Outputs, their tensors)}
 _BUFFERS = weakref.WeakKeyDictionary()
 _CAP = weakref.WeakKeyDictionary()  # model -> their capacity (cache slots, new tokens, output rows)
 _COMPILED = {}                      # device type -> the compiled step
-# device type -> generate(static=None) runs the compiled step. Compiling pays after (compile s) /
-# (s saved per call) calls of one sampling setting (a frame, compiled once per process). CUDA:
-# always. CPU (inductor, 2 threads, RESULTS.md §8): the demo (0.8M, 517 RL calls of <= 128 rows x
-# 56 tokens) saves 23 s after a 45 s cold compile of its two frames (~10 s warm): ~1,000 calls to
-# pay; 20M at 32 x 64 saves 0.2 s a call (1.27 -> 1.07 s) after 90 s: ~450; a one-off, never. So
-# eager, unless train.py plans CPU_COMPILE_RL_STEPS untimed RL steps (~2.5 calls each:
-# infra.compiled_sampling).
+# device type -> generate(static=None) runs the compiled step: on CUDA always; on CPU only once
+# train.py plans CPU_COMPILE_RL_STEPS untimed RL steps (infra.compiled_sampling): a compile pays
+# after ~450-1,000 calls of one setting there (the demo, 20M; RESULTS.md §8).
 STATIC_BY_DEFAULT = {"cuda": True}
 CPU_COMPILE_RL_STEPS = 1000
 _FX = torch.fx.experimental._config  # without duck sizing, 64 rows = head_dim is no special case
@@ -204,16 +201,17 @@ def held_rows(model) -> int:
     return sum(key for key in _BUFFERS.get(model, {}) if isinstance(key, int))
 
 
-def _tensors(named: tuple) -> list:
+def _tensors(named) -> list:
     """A buffer set's tensors in order, a cache's (k, v per layer; start, slot, cos, sin) inline."""
     out = []
-    for x in named:
-        out += [x] if isinstance(x, torch.Tensor) else [*x.k, *x.v, x.start, x.slot, x.cos, x.sin]
+    for x in named if isinstance(named, tuple) else vars(named).values():
+        is_cache, is_tensor = hasattr(x, "k"), isinstance(x, torch.Tensor)
+        out += [*x.k, *x.v, x.start, x.slot, x.cos, x.sin] if is_cache else [x] * is_tensor
     return out
 
 
 def persistent(model, key, make):
-    """make() -> a buffer set (DecodeBuffers or Outputs), once per (model, key) at the capacity
+    """make() -> a buffer set (a Decoder or Outputs), once per (model, key) at the capacity
     reserve() set; its tensors marked as static addresses without a guard (torch < 2.10's default
     guard=True made each new set a recompile)."""
     bufs = _BUFFERS.setdefault(model, {})
@@ -226,25 +224,29 @@ def persistent(model, key, make):
 
 
 def batch(model, d: Decoder, cache, sel: torch.Tensor, state: tuple, static: bool) -> Decoder:
-    """A batch of B = len(sel) rows: the cache rows `sel`, the row state (tok, live, rows, noise),
-    d's t, outputs and settings. Eager: new tensors (a copy of the kept cache rows); static: copied
-    into the DecodeBuffers of a B-row batch (B a power of two)."""
-    tok, live, rows, noise = state
+    """A batch of B = len(sel) rows: the cache rows `sel`, the row state (tok, live, rows, noise,
+    queue, qpos, qlen), d's t, outputs and constants. Eager: new tensors (a copy of the kept cache
+    rows); static: copied into the persistent B-row Decoder (B a power of two), whose tensors a
+    captured graph finds at fixed addresses (columns past a call's L stay stale)."""
+    tok, live, rows, noise, queue, qpos, qlen = state
+    fixed = dict(out=d.out, stop=d.stop, close=d.close, settings=d.settings)  # the call's
     if not static:
-        return Decoder(cache.index_rows(sel), *state, d.t, d.out, d.stop, d.settings)
+        return Decoder(cache.index_rows(sel), tok, live, rows, noise, d.t, queue, qpos, qlen,
+                       torch.zeros_like(live), **fixed)
     slots, L, _ = _CAP[model]
 
-    def make():
-        c = model.new_cache(len(sel), slots)
-        zeros = [torch.zeros_like(x) for x in (tok, live, rows, d.t)]
-        return DecodeBuffers(c, *zeros, noise.new_zeros(len(sel), L))
+    def make():  # at the capacity: [B, L] noise and queue, a cache of `slots`
+        z, B = torch.zeros_like, len(sel)
+        return Decoder(model.new_cache(B, slots), z(tok), z(live), z(rows), noise.new_zeros(B, L),
+                       z(d.t), queue.new_zeros(B, L), z(qpos), z(qlen), z(live),
+                       **dict.fromkeys(fixed))
     b = persistent(model, len(sel), make)
     for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):  # the kept rows' K/V, per layer
         torch.index_select(src, 0, sel, out=dst)
     copies = ((b.cache.start, cache.start[sel]), (b.cache.slot, cache.slot), (b.tok, tok),
-              (b.live, live), (b.rows, rows), (b.t, d.t))
+              (b.live, live), (b.rows, rows), (b.t, d.t), (b.qpos, qpos), (b.qlen, qlen))
     for dst, src in copies:
         dst.copy_(src)
-    b.noise[:, :noise.shape[1]] = noise
+    b.noise[:, :noise.shape[1]], b.queue[:, :queue.shape[1]] = noise, queue
     b.cache.width = cache.width
-    return Decoder(b.cache, b.tok, b.live, b.rows, b.noise, b.t, d.out, d.stop, d.settings)
+    return dataclasses.replace(b, **fixed)

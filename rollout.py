@@ -12,7 +12,8 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      row's draws depend only on its seed and position, never on its batch-mates or on when finished
      rows are dropped (the CDF summed in float64; Gumbel-max: V times the noise, 15% of a step).
   4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is
-     done. Steps 3-4 are decode.step, one function for both loops below.
+     done. Steps 3-4 are decode.step, one function for both loops below. With tools (tooluse.py) a
+     row that closes a call takes the result as forced tokens: the same step, no log-prob.
   5. Eager (the CPU default): when the live rows have fallen to 3/4 of the batch since the last
      compaction, drop the done rows from the batch and the cache (a copy, so not every step); a host
      check every step. Static (the CUDA default, torch.compile + CUDA graphs): N rows start in a
@@ -44,17 +45,12 @@ from decode import Decoder, batch, compiled_step, filter_logits, record, step
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 wraps as uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
-COMPACT_AT = 0.75  # compact when live rows <= 3/4 of the batch: 0.75-0.9 fastest (2m, 20m, 64 rows,
-                   # mean length ~55), 1.1-1.3x faster than at every stop, 1.6-1.9x than never
+COMPACT_AT = 0.75  # eager: compact when live rows <= 3/4 of the batch (fastest: FINDINGS.md)
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (< 8 steps wasted)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buffers < 2 x 512 rows)
-# static decoding: attention reads the filled slots rounded up to 128 on CUDA (a CUDA graph per
-# width), exactly the filled slots elsewhere (no graphs to record)
-WIDTH_STEP = {"cuda": 128}
-# completion_forward's LM-head blocks: 32 MB elsewhere (measured faster than 8 or 128 on CPU),
-# 256 MB on CUDA (441 rows at V = 151,936: GEMMs large enough for the GPU)
-LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
+WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded up (a graph a width)
+LOGITS_PER_CHUNK = {"cuda": 2 ** 26}  # completion_forward's head blocks (else 32 MB: FINDINGS.md)
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -67,6 +63,9 @@ class Rollout:
     lengths: torch.Tensor          # [N] long, generated tokens per row (completion_mask.sum(1))
     seeds: torch.Tensor            # [N] long; seed=seeds[r:r+1] regenerates row r alone
     nonfinite: torch.Tensor        # [N] bool, the row ended at NaN or inf logits (truncated)
+    policy_mask: torch.Tensor      # [N, L] bool, sampled tokens (False on a tool's forced tokens)
+    tool_calls: torch.Tensor       # [N] long, tool calls answered (tooluse.py); 0 without tools
+    tool_errors: torch.Tensor      # [N] long, of which answered with an error
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +217,6 @@ def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_
             raise ValueError(msg)
 
 
-
 def _cat(parts: list, pad_id: int) -> Rollout:
     """Rollouts of consecutive prompt chunks -> one, right-padded to the longest."""
     n = max(r.completion_ids.shape[1] for r in parts)
@@ -228,16 +226,17 @@ def _cat(parts: list, pad_id: int) -> Rollout:
         if value is not None:
             xs = [F.pad(x, (0, n - x.shape[1]), value=value) for x in xs]
         return torch.cat(xs)
-    return Rollout(cat("completion_ids", pad_id), cat("completion_mask", False),
-                   cat("logprobs", 0.0), *map(cat, ("truncated", "lengths", "seeds", "nonfinite")))
+    pads = dict(completion_ids=pad_id, completion_mask=False, logprobs=0.0, policy_mask=False)
+    return Rollout(**{k: cat(k, pads.get(k)) for k in Rollout.__dataclass_fields__})
 
 
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-             stop_ids=(), seed=None, pad_id=0, static=None) -> Rollout:
+             stop_ids=(), seed=None, pad_id=0, static=None, tools=None) -> Rollout:
     """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G
     rows. static (default: on CUDA) runs the compiled static step, else the same step eagerly; both
-    sample the same tokens."""
+    sample the same tokens. tools (a tooluse.Toolbox): a row that closes a call gets its result as
+    forced tokens (the host looks after every token); max_new_tokens counts them too."""
     _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
     dev = model.model.embed_tokens.weight.device
     if static is None:  # the rule: decode.STATIC_BY_DEFAULT
@@ -248,7 +247,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     if static and N > MAX_ROWS and P > 1:  # whole prompts, <= MAX_ROWS rows a call: bounded buffers
         k = max(1, MAX_ROWS // G)
         parts = [generate(model, prompts[i:i + k], G, L, temperature, top_k, top_p, stop_ids,
-                          seeds[i * G:(i + k) * G], pad_id, static) for i in range(0, P, k)]
+                          seeds[i * G:(i + k) * G], pad_id, static, tools) for i in range(0, P, k)]
         return _cat(parts, pad_id)
     chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
     W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
@@ -263,30 +262,33 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     cache = model.new_cache(P, W, start=start)
     logits = model(idx, cache, last_only=True)[:, -1]                                      # [P, V]
     cache.width = W if static else None
-    # 2. G rows share each prompt's prefill; one uniform per (row, position), drawn up front: noise
-    # never depends on the batch a row is in
+    # 2. G rows share each prompt's prefill; a uniform per (row, position) up front (batch-free)
     rows = torch.arange(B, device=dev).clamp(max=N)                    # [B] output row (N: padding)
     group = (rows.clamp(max=N - 1) // G)                               # [B] prompt of a row
     keys = seeds[rows.clamp(max=N - 1), None] + torch.arange(1, L + 1, device=dev) * MIX1  # [B, L]
     noise = uniform(mix64(keys))                                       # [B, L] float64
-
-    def outputs():  # [R + 1, ...]: row N takes the writes of a static batch's padding rows
-        return decode.Outputs.empty(R + 1, Lc, dev)
-    out = decode.persistent(model, "out", outputs) if static else outputs()
+    out = decode.Outputs.empty(R + 1, Lc, dev) if not static else decode.persistent(  # row N: the
+        model, "out", lambda: decode.Outputs.empty(R + 1, Lc, dev))  # static padding rows' writes
     out.clear(pad_id)
     ids = sorted(set(stop_ids))
     # >= 2 stop ids (padded with -1): no branch on their number, no size 0 or 1 to specialise on
     stop = torch.tensor(ids + [-1] * (2 - len(ids)), dtype=torch.long, device=dev)
+    session = tools.session(N, out) if tools is not None else None
+    close = torch.tensor(session.close_ends if session else [-1, -1], device=dev)  # >= 2 as stop
     settings = (temperature, top_k, top_p, pad_id)
-    d = Decoder(cache, tok=None, live=None, rows=None, noise=None, t=rows.new_zeros(()), out=out,
-                stop=stop, settings=settings)
-    state = (rows.new_zeros(B), rows < N, rows, noise)                 # tok, live, rows, noise
+    per_row = dict.fromkeys(("tok", "live", "rows", "noise", "queue", "qpos", "qlen", "called"))
+    d = Decoder(cache, **per_row, t=rows.new_zeros(()), out=out, stop=stop, close=close,
+                settings=settings)  # batch() fills the per-row state
+    tok, qpos, qlen = (rows.new_zeros(B) for _ in range(3))  # three tensors: each is written in place
+    state = (tok, rows < N, rows, noise, rows.new_zeros(B, L), qpos, qlen)  # tool queues empty
     d = batch(model, d, cache, group, state, static)                   # the B-row batch
     record(d, logits[group])                                           # 3-4. token 0
     del cache, logits  # the prefill's cache: copied into the batch, not kept through decoding
     step_fn = compiled_step(dev.type) if static else step
     batch_at_compaction = N
     for t in range(1, L):
+        if session is not None:  # a row that has just closed a call: its result queued (tooluse)
+            session.answer(d)
         # the host sync: every step eagerly, every CHECK_EVERY steps statically
         if stop_ids and (not static or t % CHECK_EVERY == 0):
             n_live, B = int(d.live.sum()), len(d.tok)
@@ -301,20 +303,21 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 keep = d.live.nonzero()[:, 0]                                          # [n_live]
                 sel = torch.cat((keep, keep[:1].expand(B - n_live)))                   # [B]
                 pad = torch.arange(B, device=dev) >= n_live                            # [B]
-                state = (d.tok[sel], d.live[sel] & ~pad,                               # tok, live,
-                         d.rows[sel].masked_fill(pad, N), d.noise[sel, :L])            # rows, noise
+                state = (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
+                         d.noise[sel, :L], d.queue[sel, :L], d.qpos[sel], d.qlen[sel])
                 d = batch(model, d, d.cache, sel, state, static)
         if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
         step_fn(model, d)                                                             # 3-4. token t
-    ids, lp, mask = (x[:N, :L] for x in (out.ids, out.logprobs, out.mask))                # [N, L]
+    ids, lp, mask, policy = (x[:N, :L] for x in (out.ids, out.logprobs, out.mask, out.policy))
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token
     nonfinite = out.nonfinite[:N] > 0
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token
+    calls, errors = session.counts(dev) if session else (torch.zeros_like(lengths),) * 2
     return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), live | nonfinite,
-                   lengths, seeds, nonfinite)
+                   lengths, seeds, nonfinite, policy[:, :n].clone(), calls, errors)
 
 
 def main():
@@ -322,12 +325,9 @@ def main():
     p.add_argument("--ckpt", required=True, help="a Hugging Face model folder")
     p.add_argument("--prompt", required=True)
     p.add_argument("--n", type=int, default=4, help="completions to sample")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--top_p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="CPU threads; oversubscribing is slow")
+    for k, v in dict(max_new_tokens=128, temperature=0.7, top_k=0, top_p=0.95, seed=0).items():
+        p.add_argument(f"--{k}", type=type(v), default=v)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from model import Transformer, load_tokenizer

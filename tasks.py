@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+import tooluse
 import verify
 from cli import UserError
 from templates import chat_template, render_prompt
@@ -268,6 +269,7 @@ class Task:
         else:
             raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k, math, reasoning_gym")
         self.heldout_prompts = {p.prompt for p in self.heldout}
+        self.tools = tooluse.toolbox(cfg, tok, self.tok_config)  # None without tools
 
     def synthetic(self, seed, i, lo, hi) -> Problem:
         if self.cfg.task == "countdown":
@@ -302,6 +304,8 @@ class Task:
         flawed = self.cfg.task == "arithmetic" and flaw.random() < self.cfg.sft_flaw_frac  # the demo's teacher only
         solution = flawed_solution(p, self.cfg.sft_flaw, flaw) if flawed else p.solution
         direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
+        if self.tools and random.Random(seed_of(self.cfg.seed, k, 11)).random() < self.cfg.sft_tool_frac:
+            return re.sub(r"(-?\d+[-+*]\d+)=(-?\d+)", r"[\1]{\2}", p.solution)  # each step a call
         return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}" if direct else solution
 
     def cold_start_batch(self, first: int, B: int) -> tuple[list, list, list]:

@@ -46,6 +46,7 @@ from config import Config, parse_args
 from objective import cov_picks, objective, whole_batch_pass
 import tasks
 import templates
+import tooluse
 import verify
 from logger import Logger
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
@@ -88,20 +89,21 @@ class Group:
     scores: list[float]                 # the verifier's score of each completion
     rewards: list[float] = field(default_factory=list)  # shaped rewards (shaped_rewards)
     nonfinite: int = 0                  # samples ended at non-finite logits (Rollout.nonfinite)
+    policy: list = field(default_factory=list)  # G policy masks (False: a tool's forced tokens)
+    tools: list = field(default_factory=list)   # G (tool calls, errors); both empty: no tools
 
 
 def build_run(cfg: Config, adapter: str = "") -> Run:
     """Join the processes, build or load the policy (sharded, float32; LoRA: `adapter` on resume)
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
-    # link: the async run's two sides
-    proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)
+    proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)  # link: async's sides
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
         tok = load_tokenizer(cfg.init_from)
         model = Transformer.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
-        tok = build_char_tokenizer(tasks.CHARS)
+        tok = build_char_tokenizer(tasks.CHARS + tooluse.CHARS * bool(cfg.tools))
         model = Transformer(ModelConfig(
             vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size, n_layers=cfg.n_layers,
             n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -113,8 +115,7 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     if link and not link.trains:  # a sampler rank: a plain copy; weights come from the trainers
         return Run(cfg, proc, infra.frozen_copy(model.to(proc.device), proc.device), task,
                    link=link)
-    # generate reads a plain copy when FSDP shards (infra.sampling)
-    model = infra.shard(model.to(proc.device), proc)
+    model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy (sampling_copy)
     return Run(cfg, proc, model, task, sampler=infra.sampling_copy(model, proc),
                teacher=distill.load_teacher(cfg, tok, proc.device), link=link)
 
@@ -145,15 +146,15 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    # every rank gathers the sampling copy, with prompts or none
-    model = infra.sampling(run.sampler, run.model) if model is None else model
+    model = infra.sampling(run.sampler, run.model) if model is None else model  # every rank: FSDP
     groups = []
     if mine:
         ro = generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
                       top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds,
-                      static=infra.compiled_sampling(cfg))
+                      static=infra.compiled_sampling(cfg), tools=run.task.tools)
         ids, mask, logp = ro.completion_ids.cpu(), ro.completion_mask.cpu(), ro.logprobs.cpu()
-        truncated, nonfinite = ro.truncated.cpu(), ro.nonfinite.cpu()
+        truncated, nonfinite, policy = ro.truncated.cpu(), ro.nonfinite.cpu(), ro.policy_mask.cpu()
+        calls = torch.stack((ro.tool_calls, ro.tool_errors), 1).tolist() if run.task.tools else []
     for a, j in enumerate(mine):
         rows = range(a * G, (a + 1) * G)
         comps = [ids[r][mask[r]].tolist() for r in rows]
@@ -161,7 +162,9 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
         groups.append(Group(j, *problems[j], prompts[a], comps, texts,
                             [logp[r][mask[r]] for r in rows], truncated[rows].tolist(),
                             [run.task.score(t, problems[j][1]) for t in texts],
-                            nonfinite=int(nonfinite[rows].sum())))
+                            nonfinite=int(nonfinite[rows].sum()),
+                            policy=[policy[r][mask[r]].tolist() for r in rows],
+                            tools=calls[a * G:(a + 1) * G]))
     return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
 
 
@@ -169,11 +172,10 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
 def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     """r_i = accuracy + format weight · format reward + DAPO soft overlong punishment (eq. 13);
     reward = "format_only": 1 for any committed number in place of accuracy (g.scores stay it)."""
-    lengths = torch.tensor([len(c) for c in g.comps])
+    lengths = torch.tensor([len(c) for c in g.comps])  # all tokens (a tool's too)
+    penalty = torch.zeros(len(g.comps))  # + 0.0 and + 0 · f leave a reward bit-exact
     if cfg.overlong_buffer:
         penalty = credit.overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-    else:  # + 0.0 and + 0 · f leave a reward bit-exact
-        penalty = torch.zeros(len(g.comps))
     formats = [verify.format_reward(t) if cfg.format_weight else 0 for t in g.texts]
     outcomes = outcome_rewards(cfg, g.texts, g.scores)
     return [s + cfg.format_weight * f + p for s, f, p in zip(outcomes, formats, penalty.tolist())]
@@ -238,7 +240,7 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
              "train/skip_rate": skipped / drawn, "train/sample_tries": tries + 1,
              "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
              "train/nonfinite_rows": sum(g.nonfinite for g in seen)}
-    return kept[:P], stats
+    return kept[:P], {**stats, **tooluse.metrics(seen, "train/")}
 
 
 # ================================================================== 3. log-probs and the update
@@ -276,16 +278,15 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
     r, r + world, ..., divided by the global token count (any rank count, one gradient)."""
     proc = run.proc
     prompts, comps = prompts[proc.rank::proc.world], comps[proc.rank::proc.world]
-    norm = infra.all_sum(float(sum(map(len, comps))))  # global loss tokens
+    keep = pad_batch([tooluse.policy_mask(run.task.tools, c) for c in comps] + [[False]], False,
+                     torch.bool).to(proc.device)  # [n + 1, L] loss tokens: no tool result, no pad
+    norm = infra.all_sum(float(keep.sum()))  # global loss tokens
     plan, sums = infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens), {}
-    # the pad row (infra.rank_micro_batches) gets length 0: no loss
-    lens = torch.tensor([len(c) for c in comps] + [0], device=proc.device)
     for b, rows in enumerate(plan):
         logp, entropy = policy_logprobs(run, run.model, prompts + [[0]], comps + [[0]], rows, 0.0)
-        mask = torch.arange(logp.shape[1], device=logp.device) < lens[rows, None]  # [n, L]
+        mask = keep[rows, :logp.shape[1]]  # [n, L]
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
-        # FSDP2 reduce-scatters after the last micro-batch only
-        infra.grad_sync(run.model, b == len(plan) - 1)
+        infra.grad_sync(run.model, b == len(plan) - 1)  # FSDP2 reduce-scatters after the last
         (loss * proc.world).backward()  # FSDP averages over ranks: undo it
         infra.add_sums(sums, {"train/loss": loss, "train/entropy": (entropy * mask).sum() / norm})
     gnorm = optimizer_step(run, opt)
@@ -299,10 +300,9 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
 class Batch:
     """This rank's rows of the step's global batch: rank r trains on whole groups r, r + world, ...
 
-    The pad row: every rank runs as many micro-batches as the busiest rank (FSDP's collectives
-    must line up), so a rank with fewer rows runs padding passes on one extra row, index n, that
-    every per-row list and tensor here ends with: one token (id 0), loss mask 0, advantage 0. It
-    adds nothing to the loss, the gradient or the metrics (infra.rank_micro_batches)."""
+    The pad row: every rank runs as many micro-batches as the busiest (FSDP's collectives line
+    up): a rank with fewer rows runs padding passes on an extra row n, last in every list and
+    tensor here (token 0, loss mask 0, advantage 0): nothing in the loss, gradient or metrics."""
     groups: list[Group]                # the step's P groups, the same list on every rank
     samples: list[tuple[int, int]]     # this rank's n rows as (group k, sample i)
     ids: list[int]                     # their global row indices k·G + i
@@ -326,7 +326,8 @@ def rank_batch(run: Run, groups: list[Group]) -> Batch:
     prompts = [groups[k].prompt for k, _ in samples]
     completions = [groups[k].comps[i] for k, i in samples]
     in_loss = [not (cfg.mask_truncated and groups[k].truncated[i]) for k, i in samples]
-    mask = pad_batch([[keep] * len(c) for keep, c in zip(in_loss, completions)] + [[False]],
+    policy = [groups[k].policy[i] for k, i in samples]  # tools: their forced tokens are context
+    mask = pad_batch([[keep and p for p in pol] for keep, pol in zip(in_loss, policy)] + [[False]],
                      False, torch.bool).to(proc.device)  # [n + 1, L]
     sampler_logp = pad_batch([groups[k].logprobs[i].tolist() for k, i in samples] + [[0.0]], 0.0,
                              torch.float32).to(proc.device)  # [n + 1, L]
@@ -584,7 +585,7 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
     cfg, probs, t0 = run.cfg, list(enumerate(run.task.heldout)), time.time()
     if run.link:  # async: no weight broadcast pending while this rank samples (async_rl.py)
         run.link.settle()
-    rec, by_level, shown = {}, {}, []
+    rec, by_level, shown, tried = {}, {}, [], []
     for c0 in range(0, len(probs), cfg.eval_batch):
         chunk = probs[c0:c0 + cfg.eval_batch]
         greedy = sample_groups(run, chunk, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens, c0)
@@ -602,7 +603,7 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
                              "answer": verify.extract_answer(t), "gold": x.problem.gold,
                              "correct": sc >= 1, "truncated": cut}
                             for t, sc, cut in zip(x.texts, x.scores, x.truncated)]
-        shown += greedy
+        shown, tried = shown + greedy, tried + sampled
         if run.proc.rank == 0 and len(probs) > cfg.eval_batch:  # a long eval shows its progress
             n, dt = min(len(probs), c0 + cfg.eval_batch), time.time() - t0
             eta = dt / n * (len(probs) - n) / 60
@@ -616,14 +617,13 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
                               for g in shown])
     answered = rec["eval/answer_rate_greedy"]  # accuracy among the answered: format apart
     rec["eval/answered_accuracy"] = rec["eval/pass@1"] / answered if answered else 0.0
-    return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec}
+    return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec, **tooluse.metrics(tried, "eval/")}
 
 
 # =========================================================================================== loop
 def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total: int, saved,
                 state: TrainState, ckpt: str):
-    """A fresh AdamW and LR schedule for the stage (restored mid-stage on resume from `ckpt`); RL
-    also freezes π_ref (β > 0) and starts the async samplers."""
+    """A fresh AdamW and LR schedule (mid-stage: `ckpt`'s); RL freezes π_ref, starts samplers."""
     opt, sched = make_optimizer(run, *((cfg.sft_lr, cfg.sft_steps) if stage == "sft" else
                                        (cfg.lr, cfg.rl_steps)))
     resumed = saved and step == latest + 1  # mid-stage: the optimizer and π_ref continue

@@ -18,6 +18,7 @@ import os
 
 from cli import UserError
 import lora
+import tooluse
 
 FRESH = "with no init_from (a fresh model)"
 RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that SFT-only runs pass; bounds below
@@ -98,17 +99,22 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("algo", "task", "train_size"), lambda c: c.task not in ("arithmetic", "countdown") or c.train_size > 0,
      "{train_size} must be > 0 with {algo}: it samples a fixed pool of training problems ({task})"),
     (("hint_sft_frac",), lambda c: 0 <= c.hint_sft_frac <= 1, "{hint_sft_frac} must be in [0, 1]"),
+    (("tools",), lambda c: c.tools in ("",) + tuple(tooluse.TOOLS), "{tools} must be '' (off) or one of "
+     + ", ".join(tooluse.TOOLS) + " (tooluse.TOOLS)"),
+    (("sft_tool_frac", "tools", "task"), lambda c: c.sft_tool_frac == 0 or 0 < c.sft_tool_frac <= 1 and c.tools
+     and c.task == "arithmetic", "{sft_tool_frac} must be 0, or in (0, 1] with a tool ({tools}) and task = "
+     "'arithmetic' ({task}): the teacher's calls are arithmetic steps"),
     (("task", "hint_sft_frac", "rationalize", "algo"), lambda c: c.task != "countdown" or c.hint_sft_frac == 0
      and not (c.rationalize and c.algo == "star"), "countdown has no answer hint: set rationalize = false and "
      "hint_sft_frac = 0 (got {rationalize}, {hint_sft_frac}, {algo})"),
 ]
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs", "micro_batch_tokens", "eval_n",
-            "eval_k", "eval_batch", "max_operand", "expert_iters", "expert_samples",
-            "async_timeout", "collective_timeout")  # counts that must be >= 1
+            "eval_k", "eval_batch", "max_operand", "max_mul_operand", "max_tool_tokens", "expert_iters",
+            "expert_samples", "async_timeout", "collective_timeout")  # counts that must be >= 1
 NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old", "cov_kl_coef", "opd_weight",
                 "teacher_pass_every", "warmup_steps", "eval_every", "ckpt_every", "keep_ckpts", "skip_saturated_k",
                 "train_size", "threads", "max_value", "expert_sft_steps", "expert_max_per_problem", "sampler_ranks",
-                "lora_rank")
+                "lora_rank", "max_tool_calls")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
           for keys, lo in ((POSITIVE, 1), (NON_NEGATIVE, 0)) for k in keys]
 

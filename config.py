@@ -69,6 +69,7 @@ class Config:
     eval_min_ops: int = 2
     eval_max_ops: int = 4
     max_operand: int = 9                # synthetic: operands in 0..max_operand
+    max_mul_operand: int = 9            # arithmetic: the operand after a "*" in 0..max_mul_operand
     max_value: int = 0                  # synthetic: bound on every intermediate result (0: none)
     ops: str = "+-"                     # synthetic: the operators a problem draws from
     rg_datasets: dict = field(default_factory=dict)

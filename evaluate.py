@@ -9,7 +9,10 @@
      level and, for a composite reasoning-gym dataset, per member.
   4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem, kind (greedy | sampled),
      prompt (the rendered prompt text, exactly what was tokenized), completion, answer (extracted, or null), gold,
-     correct, truncated.
+     correct, truncated. With tools the completion holds each call and its forced result ("[37*48]{1776}").
+  5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a call is then
+     plain text: no result). The table adds tool calls per completion, their error rate, the share of correct
+     answers that called, the accuracy with and without a call, and the share of tokens forced.
 Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k, max_new_tokens, temperature,
 top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of the problems, as in training.
 
@@ -48,6 +51,7 @@ def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float, sources: 
     out = [f"{cfg.init_from}: {sum(levels.values())} {cfg.task} problems, template {cfg.template}, greedy + "
            f"{cfg.eval_k} samples at T = {cfg.temperature} (top_k {cfg.top_k}, top_p {cfg.top_p}), {seconds:.0f} s"]
     out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}" for key, name in ROWS]
+    out += [f"  {key[5:].replace('_', ' '):24s}{v:10.3f}" for key, v in rec.items() if "tool" in key]
     out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
     out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"
             for lv, n in sorted(levels.items())]

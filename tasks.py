@@ -275,7 +275,8 @@ class Task:
         if self.cfg.task == "countdown":
             return countdown(seed, i)
         return arithmetic(seed, i, min_ops=lo, max_ops=hi, max_operand=self.cfg.max_operand,
-                          max_value=self.cfg.max_value, ops=self.cfg.ops)
+                          max_mul_operand=self.cfg.max_mul_operand, max_value=self.cfg.max_value,
+                          ops=self.cfg.ops)
 
     def problem(self, stage: str, k: int) -> tuple[int, Problem]:
         """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts never appear."""

@@ -222,7 +222,7 @@ def metrics(groups, prefix: str) -> dict:
             f"{prefix}tool_call_rate": len(called) / len(rows),
             f"{prefix}tool_error_rate": sum(r[1] for r in rows) / max(1, sum(r[0] for r in rows)),
             f"{prefix}tool_share_of_correct": sum(1 for r in correct if r[0]) / max(1, len(correct)),
-            f"{prefix}accuracy_with_tool": sum(r[2] for r in called) / max(1, len(called)),
-            f"{prefix}accuracy_without_tool": sum(r[2] for r in plain) / max(1, len(plain)),
-            f"{prefix}forced_token_frac": sum(len(r[3]) - sum(r[3]) for r in rows)
+            f"{prefix}tool_accuracy_with": sum(r[2] for r in called) / max(1, len(called)),
+            f"{prefix}tool_accuracy_without": sum(r[2] for r in plain) / max(1, len(plain)),
+            f"{prefix}tool_forced_frac": sum(len(r[3]) - sum(r[3]) for r in rows)
             / max(1, sum(len(r[3]) for r in rows))}

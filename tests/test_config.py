@@ -78,6 +78,9 @@ CASES = [  # (config class, overrides, the exact message)
      "adapter's scale is α / r)"),
     (train.Config, dict(lora_rank=8, lora_targets="q_proj, lm_head"), "lora_targets = 'q_proj, lm_head' must be "
      "'all' or a comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj with lora_rank = 8"),
+    (train.Config, dict(tools="abacus"), "tools = 'abacus' must be '' (off) or one of calculator (tooluse.TOOLS)"),
+    (train.Config, dict(sft_tool_frac=0.3), "sft_tool_frac = 0.3 must be 0, or in (0, 1] with a tool (tools = '') "
+     "and task = 'arithmetic' (task = 'arithmetic'): the teacher's calls are arithmetic steps"),
     (train.Config, dict(task="reasoning_gym", sft_steps=0), "task = 'reasoning_gym' needs rg_datasets = {} naming a "
      "dataset and its options"),
     (train.Config, dict(task="reasoning_gym", sft_steps=0, rg_datasets={"leg_counting": {}}, eval_n=600),

@@ -101,9 +101,9 @@ RULES = [  # (fields, ok(c), requirement); RL-only rules name rl_steps so that S
     (("hint_sft_frac",), lambda c: 0 <= c.hint_sft_frac <= 1, "{hint_sft_frac} must be in [0, 1]"),
     (("tools",), lambda c: c.tools in ("",) + tuple(tooluse.TOOLS), "{tools} must be '' (off) or one of "
      + ", ".join(tooluse.TOOLS) + " (tooluse.TOOLS)"),
-    (("sft_tool_frac", "tools", "task"), lambda c: c.sft_tool_frac == 0 or 0 < c.sft_tool_frac <= 1 and c.tools
-     and c.task == "arithmetic", "{sft_tool_frac} must be 0, or in (0, 1] with a tool ({tools}) and task = "
-     "'arithmetic' ({task}): the teacher's calls are arithmetic steps"),
+    (("sft_tool_frac", "tools", "task", "sft_steps"), lambda c: c.sft_tool_frac == 0 or c.sft_steps == 0 or
+     0 < c.sft_tool_frac <= 1 and c.tools and c.task == "arithmetic", "{sft_tool_frac} must be 0, or in (0, 1] "
+     "with a tool ({tools}) and task = 'arithmetic' ({task}): the teacher's calls are arithmetic steps"),
     (("task", "hint_sft_frac", "rationalize", "algo"), lambda c: c.task != "countdown" or c.hint_sft_frac == 0
      and not (c.rationalize and c.algo == "star"), "countdown has no answer hint: set rationalize = false and "
      "hint_sft_frac = 0 (got {rationalize}, {hint_sft_frac}, {algo})"),

@@ -16,8 +16,7 @@ model (and power-of-two batch size) at one capacity (reserve), kept in _BUFFERS,
 without a guard; a call copies its rows in. Bounds: < 2 x the largest first batch rows held; a
 frame per sampling setting, whatever the sizes, tools or not.
 
-  python -m pytest -q tests/test_decode.py tests/test_rollout.py
-  python -m tools.bench --device cuda
+  python -m pytest -q tests/test_decode.py tests/test_rollout.py tests/test_tooluse.py
 """
 import dataclasses
 import weakref
@@ -133,8 +132,7 @@ def record(d: Decoder, logits: torch.Tensor):
     forced, at_q = d.qpos < d.qlen, d.qpos.clamp(max=d.queue.shape[1] - 1)[:, None]   # [B], [B, 1]
     tok = torch.where(forced, d.queue.gather(1, at_q)[:, 0], tok)                  # [B]
     bad = logp.isnan() & ~forced                                                   # [B]
-    live = d.live & ~bad
-    policy = live & ~forced
+    live, policy = d.live & ~bad, d.live & ~bad & ~forced                          # [B], [B]
     at = (d.rows, d.t.expand(len(d.rows)))                                         # (row, t)
     written = (tok.masked_fill(~live, pad_id), logp.masked_fill(~policy, 0.0), live, policy)
     for buf, x in zip((d.out.ids, d.out.logprobs, d.out.mask, d.out.policy), written):

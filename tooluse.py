@@ -35,7 +35,8 @@ MAX_CALL_CHARS = 1000  # a longer call is an error, unread (its expression: veri
 
 class Tool:
     """What a fork subclasses: a name, the call markers the policy writes, call(text) -> str. call must
-    be deterministic and bounded in time, and must never execute the text: it answers errors as text."""
+    be deterministic and bounded in time, and must never execute the text: an error is an answer too,
+    a string starting with "error" (counted in tool_error_rate)."""
     name, open, close = "tool", "<tool_call>", "</tool_call>"
 
     def call(self, text: str) -> str:
@@ -139,11 +140,12 @@ class Toolbox:
         """A row's tokens ending in a close marker -> (its tool, the call's text: the tokens after the
         last open marker since the previous close); None: no open marker there (plain text)."""
         tool, open_ids = self.marks[ids[-1]]
-        for i in range(len(ids) - 1 - len(open_ids), -1, -1):
-            if ids[i + len(open_ids) - 1] == ids[-1] and ids[i:i + len(open_ids)] != open_ids:
+        k = len(open_ids)
+        for end in range(len(ids) - 1, k - 1, -1):  # the call's text would start at `end`
+            if ids[end - k:end] == open_ids:
+                return tool, self.tok.decode(ids[end:-1], skip_special_tokens=False)
+            if ids[end - 1] == ids[-1]:
                 return None  # the previous call's end: no open marker since
-            if ids[i:i + len(open_ids)] == open_ids:
-                return tool, self.tok.decode(ids[i + len(open_ids):-1], skip_special_tokens=False)
         return None
 
     def answer(self, ids: list[int]) -> tuple[list[int], bool, bool] | None:
@@ -164,7 +166,7 @@ class Session:
 
     def __init__(self, box: Toolbox, rows: int, out):
         self.box, self.out = box, out
-        self.calls, self.errors, self.cut = [0] * rows, [0] * rows, 0
+        self.calls, self.errors = [0] * rows, [0] * rows
         ends = sorted(box.marks)
         self.close_ends = ends + [-1] * (2 - len(ends))  # decode.Decoder.close, >= 2 as stop ids
 
@@ -175,13 +177,11 @@ class Session:
         t = int(d.t)  # the token just written is at t - 1
         for b in d.called.nonzero()[:, 0].tolist():
             r = int(d.rows[b])
-            if r >= len(self.calls) or self.calls[r] >= self.box.max_calls:
+            got = self.box.answer(self.out.ids[r, :t].tolist()) if self.calls[r] < self.box.max_calls else None
+            if got is None:  # no open marker since the last call, or no calls left: plain text
                 continue
-            got = self.box.answer(self.out.ids[r, :t].tolist())
-            if got is None:
-                continue
-            forced, error, cut = got
-            self.calls[r], self.errors[r], self.cut = self.calls[r] + 1, self.errors[r] + error, self.cut + cut
+            forced, error, _ = got
+            self.calls[r], self.errors[r] = self.calls[r] + 1, self.errors[r] + error
             n = min(len(forced), d.queue.shape[1])
             d.queue[b, :n] = torch.tensor(forced[:n], device=d.queue.device)
             d.qpos[b], d.qlen[b] = 0, n

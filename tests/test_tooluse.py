@@ -13,19 +13,12 @@ import rollout
 import tooluse
 from model import ModelConfig, Transformer, build_char_tokenizer
 from rollout import completion_logprobs, generate
+from test_rollout import one_thread  # noqa: F401  (autouse: one thread for tiny tensors)
 
 CHARS = "0123456789+-*/()[]{}?"
 TOK = build_char_tokenizer(CHARS)
 PROMPTS = [TOK.encode(s).ids for s in ("12*3", "[4+5]", "7", "(1+2)*", "9-8[")]
 STOP = [2]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny():

@@ -1,19 +1,18 @@
-"""Learning curves from run directories' metrics.jsonl (train.py's log), as one PNG; matplotlib is optional.
+"""Learning curves from run directories' metrics.jsonl (train.py's log), as one PNG (pip install matplotlib).
 
   1. Each RUN_DIR's metrics.jsonl is read (read_run); runs are grouped by their folder's name without a seed
      suffix (runs/demo_s0, runs/demo_s1 -> "demo"), one group per line of the plot.
   2. --kind eval: held-out greedy and sampled pass@1 (eval/pass@1, eval/pass@1_sampled) against the training step
      (SFT steps, then RL steps), the mean over a group's seeds with their range (min to max) shaded, at the steps
      every seed evaluated (band).
-     --kind train: train/reward and the dynamic-sampling keep rate (train/kept_groups_frac: the share of sampled
-     groups with reward spread) per RL step, mean and range over seeds.
+     --kind train: train/reward and the keep rate (train/kept_groups_frac) per RL step, mean and range over seeds;
+     --kind tools: the share of completions that call a tool and the accuracy (train/tool_call_rate, /accuracy).
   3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step, evaluations included;
      0 at the base evaluation), each point at the mean over seeds of the minute its step was reached, so runs of
      different step costs (SFT vs RL, ours vs TRL: tools/compare_trl.py writes the same metrics.jsonl) compare at equal
      compute.
   4. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
 
-  pip install matplotlib
   python -m tools.plot runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
   python -m tools.plot runs/demo_s* --kind train --out plots/demo_train.png
   python -m tools.plot runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall --out plots/smollm2_eval.png
@@ -28,7 +27,9 @@ NAMES = {"demo": "SFT + RL (the demo)", "control_sft": "SFT only (configs/contro
 PANELS = {"eval": [("eval/pass@1", "held-out greedy pass@1"),
                    ("eval/pass@1_sampled", "held-out sampled pass@1 (the run's T)")],
           "train": [("train/reward", "train reward (mean over the step's samples)"),
-                    ("train/kept_groups_frac", "dynamic sampling: share of groups kept")]}
+                    ("train/kept_groups_frac", "dynamic sampling: share of groups kept")],
+          "tools": [("train/tool_call_rate", "share of completions that call the tool (train)"),
+                    ("train/accuracy", "train accuracy (the verifier)")]}
 
 
 def read_run(path: str) -> list[dict]:
@@ -100,8 +101,8 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("error: tools/plot.py draws with matplotlib, which is not installed: pip install matplotlib") \
-            from None
+        msg = "error: tools/plot.py draws with matplotlib, which is not installed: pip install matplotlib"
+        raise SystemExit(msg) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(PANELS[kind]), figsize=(6.2 * len(PANELS[kind]), 4.2))
@@ -109,9 +110,8 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
         for i, (name, bands) in enumerate(data.items()):
             xs, mean, lo, hi = bands[key]
             n = bands["seeds"]
-            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}",
-                            label=f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1
-                                                                                          else ""))
+            label = f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1 else "")
+            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}", label=label)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
         if kind == "eval" and "demo" in data and data["demo"][key][0] and not wall:

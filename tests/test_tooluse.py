@@ -331,3 +331,22 @@ def test_a_chat_template_without_tool_messages_is_one_line_naming_it(hf_folder):
     tok, info = load_tokenizer(folder), templates.read_tokenizer_config(folder)
     with pytest.raises(UserError, match="does not render a tool message"):
         tasks.Task(cfg, tok, templates.stop_ids(tok, info, rollout.STOP_NAMES), info)
+
+
+class Stopper(tooluse.Tool):
+    name, open, close = "stopper", "(", ")"
+
+    def call(self, text):
+        return "1<eos>2"  # a result holding a stop id (a chat wrapper's <|im_end|>)
+
+
+def test_a_stop_id_inside_a_forced_result_does_not_end_the_row():
+    m, b = tiny(), box(tools=[Stopper()])
+    r = generate(m, PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=2, tools=b)
+    eos_forced = 0
+    for ids, policy in rows(r):
+        assert policy == replay(b, ids)[0]
+        at = [i for i, (t, p) in enumerate(zip(ids, policy)) if t == STOP[0] and not p]
+        eos_forced += len(at)
+        assert all(i + 1 < len(ids) for i in at if i + 2 < 60)  # the row went on after the forced <eos>
+    assert eos_forced > 0

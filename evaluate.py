@@ -11,8 +11,9 @@
      prompt (the rendered prompt text, exactly what was tokenized), completion, answer (extracted, or null), gold,
      correct, truncated. With tools the completion holds each call and its forced result ("[37*48]{1776}").
   5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a call is then
-     plain text: no result). The table adds tool calls per completion, their error rate, the share of correct
-     answers that called, the accuracy with and without a call, and the share of tokens forced.
+     plain text: no result). The table adds, over the sampled completions: tool calls per completion, their
+     error rate, the share of correct answers that called, the accuracy with and without a call, the share of
+     tokens forced.
 Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k, max_new_tokens, temperature,
 top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of the problems, as in training.
 

@@ -146,7 +146,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     mine = list(range(proc.rank, len(problems), proc.world))
     prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
     seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    model = infra.sampling(run.sampler, run.model) if model is None else model  # every rank: FSDP
+    model = infra.sampling(run.sampler, run.model) if model is None else model  # all ranks gather
     groups = []
     if mine:
         ro = generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,

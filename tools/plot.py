@@ -110,8 +110,8 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
         for i, (name, bands) in enumerate(data.items()):
             xs, mean, lo, hi = bands[key]
             n = bands["seeds"]
-            label = f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1 else "")
-            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}", label=label)
+            tag = f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1 else "")
+            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}", label=tag)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
         if kind == "eval" and "demo" in data and data["demo"][key][0] and not wall:

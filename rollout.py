@@ -279,7 +279,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     per_row = dict.fromkeys(("tok", "live", "rows", "noise", "queue", "qpos", "qlen", "called"))
     d = Decoder(cache, **per_row, t=rows.new_zeros(()), out=out, stop=stop, close=close,
                 settings=settings)  # batch() fills the per-row state
-    tok, qpos, qlen = (rows.new_zeros(B) for _ in range(3))  # three tensors: each is written in place
+    tok, qpos, qlen = (rows.new_zeros(B) for _ in range(3))  # three tensors, each written in place
     state = (tok, rows < N, rows, noise, rows.new_zeros(B, L), qpos, qlen)  # tool queues empty
     d = batch(model, d, cache, group, state, static)                   # the B-row batch
     record(d, logits[group])                                           # 3-4. token 0

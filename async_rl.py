@@ -140,8 +140,7 @@ class Wire:
             time.sleep(nap)
             nap = min(2 * nap, 0.01)
 
-    def guard(self, fn, what: str):
-        """fn() (a collective or a store op), its failure raised as a SideError naming what it was doing."""
+    def guard(self, fn, what: str):  # fn() (a collective, a store op); a failure: a SideError naming what
         try:
             return fn()
         except Exception as e:  # gloo: the peer's socket closed; NCCL: the group's timeout; the store's host gone
@@ -153,8 +152,8 @@ class Wire:
         _CPUOnly(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         data = buf.getbuffer()
         chunks = [bytes(data[at:at + CHUNK_BYTES]) for at in range(0, max(len(data), 1), CHUNK_BYTES)]
-        for i, value in enumerate(chunks + [str(len(chunks))]):  # the count last, under key itself
-            self.guard(lambda: self.store.set(f"{key}/{i}" if i < len(chunks) else key, value), f"posting {key}")
+        for k, value in [(f"{key}/{i}", c) for i, c in enumerate(chunks)] + [(key, str(len(chunks)))]:
+            self.guard(lambda: self.store.set(k, value), f"posting {key}")  # the count last
 
     def get(self, key: str, what: str, readers: int):
         """put's object, once it is there; the last of `readers` processes to read it deletes its keys."""

@@ -75,10 +75,8 @@ CHAT_MARKERS = ("<tool_call>", "</tool_call>")  # template = "chat": Qwen2.5's (
 def toolbox(cfg, tok, tok_config: dict) -> "Toolbox | None":
     """The run's Toolbox (None with tools = ""): plain templates call in the tool's own markers and get
     "{result}"; template = "chat" calls in CHAT_MARKERS and gets the template's tool message."""
-    if not cfg.tools:
+    if not cfg.tools:  # a name not in TOOLS: checks.py stops the run first
         return None
-    if cfg.tools not in TOOLS:
-        raise UserError(f"tools = {cfg.tools!r}: unknown; choose from {', '.join(TOOLS)}")
     if cfg.template != "chat":
         return Toolbox([TOOLS[cfg.tools]()], tok, cfg.max_tool_calls, cfg.max_tool_tokens)
     template = templates.chat_template(tok_config["chat_template"])
@@ -136,24 +134,25 @@ class Toolbox:
             body = self.ids("?")
         return before + body[:self.max_tokens] + after, len(body) > self.max_tokens
 
-    def call_text(self, ids: list[int]) -> tuple[Tool, str] | None:
-        """A row's tokens ending in a close marker -> (its tool, the call's text: the tokens after the
-        last open marker since the previous close); None: no open marker there (plain text)."""
-        tool, open_ids = self.marks[ids[-1]]
+    def call_start(self, ids: list[int]) -> int | None:
+        """A row's tokens ending in a close marker -> where the call's text starts (after the last
+        open marker since the previous close); None: no open marker there (plain text)."""
+        open_ids = self.marks[ids[-1]][1]
         k = len(open_ids)
-        for end in range(len(ids) - 1, k - 1, -1):  # the call's text would start at `end`
-            if ids[end - k:end] == open_ids:
-                return tool, self.tok.decode(ids[end:-1], skip_special_tokens=False)
-            if ids[end - 1] == ids[-1]:
+        for start in range(len(ids) - 1, k - 1, -1):
+            if ids[start - k:start] == open_ids:
+                return start
+            if ids[start - 1] == ids[-1]:
                 return None  # the previous call's end: no open marker since
         return None
 
     def answer(self, ids: list[int]) -> tuple[list[int], bool, bool] | None:
         """A row's tokens ending in a close marker -> (forced tokens, error, cut), or None (no call)."""
-        found = self.call_text(ids)
-        if found is None:
+        start = self.call_start(ids)
+        if start is None:
             return None
-        result = found[0].call(found[1])
+        text = self.tok.decode(ids[start:-1], skip_special_tokens=False)  # for the tool only
+        result = self.marks[ids[-1]][0].call(text)
         forced, cut = self.result_ids(result)
         return forced, result.startswith("error"), cut
 
@@ -199,7 +198,7 @@ def policy_mask(box: Toolbox | None, ids: list[int]) -> list[bool]:
         return mask
     (before, after), i, calls = box.wrap, 0, 0
     while i < len(ids):
-        if ids[i] in box.marks and calls < box.max_calls and box.call_text(ids[:i + 1]) is not None:
+        if ids[i] in box.marks and calls < box.max_calls and box.call_start(ids[:i + 1]) is not None:
             ends = (j + len(after) for j in range(i + 1, len(ids)) if ids[j:j + len(after)] == after)
             end = min(next(ends, len(ids)), i + 1 + len(before) + box.max_tokens + len(after))
             mask[i + 1:end] = [False] * (end - i - 1)
@@ -217,10 +216,10 @@ def metrics(groups, prefix: str) -> dict:
     if not rows:
         return {}
     called, correct = [r for r in rows if r[0]], [r for r in rows if r[2] >= 1]
-    plain = [r for r in rows if not r[0]]
-    return {f"{prefix}tool_calls": sum(r[0] for r in rows) / len(rows),
+    plain, n_calls = [r for r in rows if not r[0]], sum(r[0] for r in rows)
+    return {f"{prefix}tool_calls": n_calls / len(rows),
             f"{prefix}tool_call_rate": len(called) / len(rows),
-            f"{prefix}tool_error_rate": sum(r[1] for r in rows) / max(1, sum(r[0] for r in rows)),
+            f"{prefix}tool_error_rate": sum(r[1] for r in rows) / max(1, n_calls),
             f"{prefix}tool_share_of_correct": sum(1 for r in correct if r[0]) / max(1, len(correct)),
             f"{prefix}tool_accuracy_with": sum(r[2] for r in called) / max(1, len(called)),
             f"{prefix}tool_accuracy_without": sum(r[2] for r in plain) / max(1, len(plain)),

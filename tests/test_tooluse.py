@@ -2,18 +2,32 @@
 (policy mask 0, log-prob 0), the other rows decode on; the trainer's one fresh forward over the whole row gives
 the sampler's log-probs at every policy token; a row alone samples what it samples in the batch; the static step
 samples what the eager one does; bounds (calls, result tokens, hostile calls); a chat template's tool turn."""
+import json
 import os
+import re
+import shutil
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 import decode
+import grpo
+import infra
 import rollout
+import tasks
+import templates
 import tooluse
-from model import ModelConfig, Transformer, build_char_tokenizer
+import train
+import verify
+from cli import UserError
+from conftest import CHATML
+from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
 from rollout import completion_logprobs, generate
 from test_rollout import one_thread  # noqa: F401  (autouse: one thread for tiny tensors)
+from test_train import SMOKE, deterministic, one_and_two_ranks, records, run_cli
 
 CHARS = "0123456789+-*/()[]{}?"
 TOK = build_char_tokenizer(CHARS)
@@ -169,16 +183,6 @@ def test_a_demonstration_s_policy_mask_is_what_generate_would_force():
 
 
 # ------------------------------------------------------------------------------------------ in training
-from test_train import SMOKE, deterministic, one_and_two_ranks, records, run_cli  # noqa: E402
-
-import shutil  # noqa: E402
-
-import grpo  # noqa: E402
-import infra  # noqa: E402
-import tasks  # noqa: E402
-import train  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
 TOOL_RUN = ["--config", SMOKE, "--tools=calculator", "--sft_tool_frac=0.5", "--max_seq_len=128",
             "--max_new_tokens=40", "--overlong_buffer=20", "--dynamic_sampling=false", "--eval_n=8",
             "--sft_steps=30", "--sft_lr=3e-2"]  # enough SFT that the policy calls the tool
@@ -208,7 +212,7 @@ def test_forced_tokens_leave_the_loss_mask_the_normaliser_and_the_gradient():
     assert (logp.grad[0, 5:] == 0).all() and (logp.grad[0, :5] != 0).all()
 
 
-def test_a_cold_start_demo_with_calls_is_the_tool_s_answers_and_masks_them(tmp_path):
+def test_a_cold_start_demo_with_calls_is_the_tool_s_answers_and_masks_them():
     cfg = train.parse_args(["--config", SMOKE, "--tools=calculator", "--sft_tool_frac=1.0",
                             "--sft_flaw_frac=0"])
     tok = train.build_char_tokenizer(tasks.CHARS + tooluse.CHARS)
@@ -216,21 +220,11 @@ def test_a_cold_start_demo_with_calls_is_the_tool_s_answers_and_masks_them(tmp_p
     probs, _, targets = task.cold_start_batch(0, 8)
     for p, ids in zip(probs, targets):
         text = task.text(ids)
-        assert text.count("[") == p.level and verify_reward(text, p.gold)
+        assert text.count("[") == p.level and verify.reward(text, p.gold) == 1.0
         mask = tooluse.policy_mask(task.tools, ids)
         forced = "".join(tok.id_to_token(t) for t, m in zip(ids, mask) if not m)
-        want = "".join("{" + task.tools.tools[0].call(c) + "}" for c in re_calls(text))
+        want = "".join("{" + task.tools.tools[0].call(c) + "}" for c in re.findall(r"\[([^\]]*)\]", text))
         assert forced == want
-
-
-def verify_reward(text, gold):
-    import verify
-    return verify.reward(text, gold) == 1.0
-
-
-def re_calls(text):
-    import re
-    return re.findall(r"\[([^\]]*)\]", text)
 
 
 @pytest.mark.slow
@@ -281,9 +275,6 @@ QWEN_TOOL_TURNS = (  # Qwen2.5-Instruct's template: its assistant tool-call and 
 def qwen_tool_folder(hf_folder, tmp_path):
     """The Qwen-shaped test folder with Qwen2.5's tool turns in its template and <tool_call> / </tool_call>
     as added special tokens (as the Hub's Qwen2.5 tokenizer has them)."""
-    import json
-    from tokenizers import Tokenizer
-    from conftest import CHATML
     folder = tmp_path / "qwen_tools"
     shutil.copytree(hf_folder("qwen"), folder)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -302,8 +293,6 @@ def qwen_tool_folder(hf_folder, tmp_path):
 def test_a_chat_checkpoint_s_forced_tokens_are_what_its_template_adds_for_a_tool_message(hf_folder, tmp_path):
     """Qwen2.5's template: prompt + the policy's call + the forced tokens tokenise to exactly the rendered
     conversation [user, assistant(call), tool(result)] with the next generation prompt."""
-    import templates
-    from model import load_tokenizer
     folder = qwen_tool_folder(hf_folder, tmp_path)
     cfg = train.parse_args(["--config", SMOKE, f"--init_from={folder}", "--template=chat", "--tools=calculator"])
     tok, info = load_tokenizer(folder), templates.read_tokenizer_config(folder)
@@ -323,9 +312,6 @@ def test_a_chat_checkpoint_s_forced_tokens_are_what_its_template_adds_for_a_tool
 
 
 def test_a_chat_template_without_tool_messages_is_one_line_naming_it(hf_folder):
-    import templates
-    from cli import UserError
-    from model import load_tokenizer
     folder = hf_folder("qwen")  # its template renders no 'tool' role
     cfg = train.parse_args(["--config", SMOKE, f"--init_from={folder}", "--template=chat", "--tools=calculator"])
     tok, info = load_tokenizer(folder), templates.read_tokenizer_config(folder)

@@ -43,7 +43,7 @@ class Config:
     task: str = "arithmetic"            # arithmetic | countdown | gsm8k | math | reasoning_gym
     train_file: str = ""                # JSONL for gsm8k / math
     eval_file: str = ""
-    template: str = "plain"             # tasks.render_prompt: plain | r1 | boxed; chat: the
+    template: str = "plain"             # templates.render_prompt: plain | r1 | boxed; chat: the
                                         #   checkpoint's chat template
     system_prompt: str = ""             # template chat: a system message before each question (e.g.
                                         #   R1's instruction)
@@ -99,21 +99,22 @@ class Config:
     reward: str = "outcome"             # outcome (verifier) | process (DeepSeekMath §4.1.3) | none
                                         #   (pure distillation) | format_only (1 for any committed
                                         #   number: the control)
-    adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo (Ahmadian et
-                                        #   al. 2024), reinforce_pp (REINFORCE++, Hu 2025: whitened
-                                        #   over the batch's tokens)
+    adv_scale: str = "group"            # group (GRPO), batch, none (Dr. GRPO §3), rloo
+                                        #   (Ahmadian et al. 2024), reinforce_pp (REINFORCE++,
+                                        #   Hu 2025: whitened over the batch's tokens)
     ratio_level: str = "token"          # token (PPO, GRPO), sequence (GSPO, Zheng 2025 eq. 5)
-    pg_loss: str = "clip"               # clip (PPO surrogate), cispo (MiniMax-M1 2025 §3.1: clipped
-                                        #   sg weight), dppo_tv | dppo_kl (DPPO, arXiv 2602.04879: ε
-                                        #   is the divergence δ), sapo (SAPO, arXiv 2511.20347 soft
-                                        #   gate), gmpo (GMPO, arXiv 2507.20673: ε in log)
+    pg_loss: str = "clip"               # clip (PPO surrogate), cispo (MiniMax-M1 2025 §3.1:
+                                        #   clipped sg weight), dppo_tv | dppo_kl (DPPO,
+                                        #   arXiv 2602.04879: ε is the divergence δ),
+                                        #   sapo (SAPO, arXiv 2511.20347 soft gate),
+                                        #   gmpo (GMPO, arXiv 2507.20673: ε in log)
     tau_pos: float = 1.0                # SAPO gate temperature τ for Â > 0
     tau_neg: float = 1.05               # SAPO gate temperature τ for Â ≤ 0
     kl_old: float = 0.0                 # k2 KL to π_old, DPPO's companion term (0: off)
     cov: str = "none"                   # entropy control (Cui et al. 2025): clip (Clip-Cov) | kl
                                         #   (KL-Cov) | none
-    cov_frac: float = 2e-4              # Clip-/KL-Cov: share of tokens picked by cov(log π_old, Â)
-                                        #   over the global batch
+    cov_frac: float = 2e-4              # Clip-/KL-Cov: share of tokens picked by
+                                        #   cov(log π_old, Â) over the global batch
     cov_low: float = 1.0                # Clip-Cov: the band (cov_low, cov_high) the tokens come
                                         #   from
     cov_high: float = 5.0               # Clip-Cov: the band's upper end
@@ -133,14 +134,15 @@ class Config:
                                         #   seq_mean_token_sum_norm (Dr. GRPO §3)
     eps_low: float = 0.2                # PPO clip ε (DeepSeekMath eq. 3)
     eps_high: float = 0.28              # DAPO §3.1 clip-higher
-    beta: float = 0.0                   # KL(π_θ‖π_ref) weight, k3 estimator (DeepSeekMath eq. 4);
-                                        #   DAPO drops it
-    kl_in: str = "loss"                 # loss: β·kl_estimator per token; reward: r_i − β Σ_t k1
-                                        #   before Â (exact ∇)
+    beta: float = 0.0                   # KL(π_θ‖π_ref) weight, k3 estimator
+                                        #   (DeepSeekMath eq. 4); DAPO drops it
+    kl_in: str = "loss"                 # loss: β·kl_estimator per token;
+                                        #   reward: r_i − β Σ_t k1 before Â (exact ∇)
     ref_update_every: int = 0           # refresh π_ref ← π_θ every K steps (0: never)
     teacher: str = ""                   # on-policy distillation (GKD, Agarwal et al. 2024; Thinking
                                         #   Machines 2025): a teacher's folder (distill.py)
-    opd_weight: float = 1.0             # distillation weight w: Â_t += w·(log π_T − log π_old)(o_t)
+    opd_weight: float = 1.0             # distillation weight w:
+                                        #   Â_t += w·(log π_T − log π_old)(o_t)
     teacher_pass_every: int = 10        # the teacher's greedy pass rate on a step's P prompts every
                                         #   K steps (0: off)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
@@ -148,10 +150,12 @@ class Config:
     skip_saturated_k: int = 0           # skip prompts saturated (all right or all wrong) on their
                                         #   last k visits
     overlong_buffer: int = 0            # DAPO §3.4 soft overlong punishment L_cache (0: off)
-    mask_truncated: bool = False        # DAPO §3.4 overlong filtering: no loss on truncated samples
+    mask_truncated: bool = False        # DAPO §3.4 overlong filtering: no loss on truncated
+                                        #   samples
     format_weight: float = 0.0          # reward += weight · format_reward (R1 template)
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
-    micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation memory
+    micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation
+                                        #   memory
     # --- LoRA (Hu et al. 2021; lora.py): a frozen base, adapters on its linear layers
     lora_rank: int = 0                  # r of every adapter (0: off, full fine-tuning); Schulman et
                                         #   al. 2025 ("LoRA Without Regret") use ~10× the full lr
@@ -170,8 +174,8 @@ class Config:
     # --- asynchronous RL (async_rl.py, prime-rl's split): the first k ranks sample, the rest train
     sampler_ranks: int = 0              # k sampler ranks (0: every rank samples and trains, the
                                         #   colocated loop)
-    max_staleness: int = 0              # K: step s trains on rollouts of π_v, v = s − 1 − K (0:
-                                        #   synchronous)
+    max_staleness: int = 0              # K: step s trains on rollouts of π_v, v = s − 1 − K
+                                        #   (0: synchronous)
     async_timeout: float = 600.0        # seconds a side waits with no beat from the other before it
                                         #   raises (dead)
     collective_timeout: float = 3600.0  # the async groups' op timeout, and the longest the other
@@ -202,8 +206,9 @@ class Config:
         "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
         "save_dtype": ("", "float32", "bfloat16", "float16")}
 
+    # r_i − β Σ_t k1 before Â (credit.kl_reward), not in the loss
     @property
-    def kl_in_reward(self) -> bool:  # r_i − β Σ_t k1 before Â (credit.kl_reward), not in the loss
+    def kl_in_reward(self) -> bool:
         return self.kl_in == "reward" and self.beta > 0
 
     def __post_init__(self):  # tis = "auto": async_rl.py's correction once rollouts may be stale
@@ -212,6 +217,7 @@ class Config:
 
 
 def parse_args(argv: list[str], cls=Config):
-    """Defaults ← --config FILE.toml ← --key=value (typed by the field; unknown keys are errors)."""
+    """Defaults ← --config FILE.toml ← --key=value (typed by the field; unknown keys are
+    errors)."""
     return cli.parse_config(cls, argv)
 

@@ -1,26 +1,34 @@
-"""The held-out evaluation train.py runs (train.evaluate: the same function, not a copy), as a command line.
+"""The held-out evaluation train.py runs (train.evaluate: the same function, not a copy), \
+as a command line.
 
-  1. Load the checkpoint folder --ckpt as train.py loads init_from: weights, tokenizer, chat template, stop ids.
-  2. For every held-out problem (eval_file, the synthetic held-out set of eval_seed, or the first eval_n of
-     reasoning-gym's held-out pool, split as in training: tasks.py step 5), sample one greedy completion and eval_k
-     at `temperature` (with top_k / top_p), eval_batch problems at a time, with a progress line and ETA.
-  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k samples), answer rate
-     (sampled, greedy), mean completion length, truncation rate (no stop token within max_new_tokens), pass@1 per
-     level and, for a composite reasoning-gym dataset, per member.
-  4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem, kind (greedy | sampled),
-     prompt (the rendered prompt text, exactly what was tokenized), completion, answer (extracted, or null), gold,
-     correct, truncated. With tools the completion holds each call and its forced result ("[37*48]{1776}").
-  5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a call is then
-     plain text: no result). The table adds, over the sampled completions: tool calls per completion, their
-     error rate, the share of correct answers that called, the accuracy with and without a call, the share of
-     tokens forced.
-Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k, max_new_tokens, temperature,
-top_k, top_p, seed, threads, ...); under torchrun each rank samples its share of the problems, as in training.
+  1. Load the checkpoint folder --ckpt as train.py loads init_from: weights, tokenizer, chat
+     template, stop ids.
+  2. For every held-out problem (eval_file, the synthetic held-out set of eval_seed, or the first
+     eval_n of reasoning-gym's held-out pool, split as in training: tasks.py step 5), sample one
+     greedy completion and eval_k at `temperature` (with top_k / top_p), eval_batch problems at a
+     time, with a progress line and ETA.
+  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k
+     samples), answer rate (sampled, greedy), mean completion length, truncation rate (no stop token
+     within max_new_tokens), pass@1 per level and, for a composite reasoning-gym dataset,
+     per member.
+  4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem,
+     kind (greedy | sampled), prompt (the rendered prompt text, exactly what was tokenized),
+     completion, answer (extracted, or null), gold, correct, truncated. With tools the completion
+     holds each call and its forced result ("[37*48]{1776}").
+  5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a
+     call is then plain text: no result). The table adds, over the sampled completions: tool calls
+     per completion, their error rate, the share of correct answers that called, the accuracy with
+     and without a call, the share of tokens forced.
+Every train.py key applies (task, eval_file, template, system_prompt, eval_n, eval_k,
+max_new_tokens, temperature, top_k, top_p, seed, threads, ...); under torchrun each rank samples its
+share of the problems, as in training.
 
-  python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 --config configs/qwen2.5-0.5b-gsm8k.toml \\
-      --eval_n=1319 --eval_k=8 --samples_out samples.jsonl
-  torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt DIR --config configs/qwen2.5-0.5b-gsm8k.toml
-  python evaluate.py --ckpt runs/smollm2-rg_s0/step_100 --config configs/smollm2-135m-rg.toml --eval_n=500
+  python evaluate.py --ckpt runs/qwen2.5-0.5b-gsm8k/step_500 \\
+      --config configs/qwen2.5-0.5b-gsm8k.toml --eval_n=1319 --eval_k=8 --samples_out samples.jsonl
+  torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt DIR \\
+      --config configs/qwen2.5-0.5b-gsm8k.toml
+  python evaluate.py --ckpt runs/smollm2-rg_s0/step_100 --config configs/smollm2-135m-rg.toml \\
+      --eval_n=500
 """
 import dataclasses
 import json
@@ -42,23 +50,30 @@ ROWS = [("pass@1", "pass@1 greedy"), ("pass@1_sampled", "pass@1 sampled"), ("maj
 
 @dataclass
 class EvalConfig(train.Config):
-    ckpt: str = ""                      # the Hugging Face folder to evaluate: a step_N/ or a Qwen2 / Llama download
+    ckpt: str = ""                      # the Hugging Face folder to evaluate: a step_N/
+                                        #   or a Qwen2 / Llama download
     samples_out: str = ""               # write one JSON line per completion here (rank 0)
 
 
-def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float, sources: Counter = Counter()) -> str:
-    """The printed result: a header, one line per metric, then greedy and sampled pass@1 per level and, for a
-    composite reasoning-gym dataset, per member dataset."""
-    out = [f"{cfg.init_from}: {sum(levels.values())} {cfg.task} problems, template {cfg.template}, greedy + "
-           f"{cfg.eval_k} samples at T = {cfg.temperature} (top_k {cfg.top_k}, top_p {cfg.top_p}), {seconds:.0f} s"]
-    out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}" for key, name in ROWS]
-    out += [f"  {key[5:].replace('_', ' '):24s}{v:10.3f}" for key, v in rec.items() if "tool" in key]
+def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float,
+          sources: Counter = Counter()) -> str:
+    """The printed result: a header, one line per metric, then greedy and sampled pass@1 per level
+    and, for a composite reasoning-gym dataset, per member dataset."""
+    out = [f"{cfg.init_from}: {sum(levels.values())} {cfg.task} problems, "
+           f"template {cfg.template}, greedy + {cfg.eval_k} samples at T = {cfg.temperature} "
+           f"(top_k {cfg.top_k}, top_p {cfg.top_p}), {seconds:.0f} s"]
+    out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}"
+            for key, name in ROWS]
+    out += [f"  {key[5:].replace('_', ' '):24s}{v:10.3f}"
+            for key, v in rec.items() if "tool" in key]
     out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
-    out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"
+    out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}"
+            f"{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"
             for lv, n in sorted(levels.items())]
     if sources:
         out.append(f"  {'dataset':>24s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
-        out += [f"  {name:>24s}{n:10d}{rec[f'eval/pass@1_{name}']:10.3f}{rec[f'eval/pass@1_sampled_{name}']:10.3f}"
+        out += [f"  {name:>24s}{n:10d}{rec[f'eval/pass@1_{name}']:10.3f}"
+                f"{rec[f'eval/pass@1_sampled_{name}']:10.3f}"
                 for name, n in sources.items()]
     return "\n".join(out)
 
@@ -67,10 +82,11 @@ def main(cfg: EvalConfig) -> dict:
     """Evaluate cfg.ckpt; returns train.evaluate's record (eval/pass@1, eval/maj@k, ...)."""
     if not (cfg.ckpt or cfg.init_from):
         raise SystemExit("error: evaluate.py needs --ckpt DIR (a Hugging Face folder)")
-    # the held-out set is all an evaluation reads: the training file of a preset need not exist here, and its
-    # training-only settings (e.g. overlong_buffer against a short max_new_tokens) are not checked
-    cfg = dataclasses.replace(cfg, init_from=cfg.ckpt or cfg.init_from, train_file=cfg.eval_file, sft_steps=0,
-                              rl_steps=0)
+    # the held-out set is all an evaluation reads: the training file of a preset need not exist
+    # here, and its training-only settings (e.g. overlong_buffer against a short max_new_tokens)
+    # are not checked
+    cfg = dataclasses.replace(cfg, init_from=cfg.ckpt or cfg.init_from, train_file=cfg.eval_file,
+                              sft_steps=0, rl_steps=0)
     t0 = time.time()
     run = train.build_run(cfg)
     samples = [] if cfg.samples_out else None

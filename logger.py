@@ -1,6 +1,6 @@
-"""What a run prints and writes: rank 0's console line with an ETA, metrics.jsonl (one flat JSON object per line, the
-lines after the last checkpoint dropped on resume, so a resumed file is exact), W&B, and the held-out table at the
-end. The other ranks' calls do nothing.
+"""What a run prints and writes: rank 0's console line with an ETA, metrics.jsonl (one flat JSON
+object per line, the lines after the last checkpoint dropped on resume, so a resumed file is exact),
+W&B, and the held-out table at the end. The other ranks' calls do nothing.
 
   logger = Logger(proc, out_dir, config_dict, wandb_mode, wandb_project, first_step, total_steps)
   logger.log(step, "rl", {"train/loss": 0.1});  logger.finish(results)
@@ -10,8 +10,9 @@ import os
 import time
 
 CONSOLE = [c.split() for c in (  # metric, console name, format
-    "train/loss loss .4f, train/reward reward .3f, train/accuracy acc .3f, train/completion_len len .1f, "
-    "train/kl kl .4f, train/clip_low clip_lo .3f, train/clip_high clip_hi .3f, train/entropy ent .3f, "
+    "train/loss loss .4f, train/reward reward .3f, train/accuracy acc .3f, "
+    "train/completion_len len .1f, train/kl kl .4f, train/clip_low clip_lo .3f, "
+    "train/clip_high clip_hi .3f, train/entropy ent .3f, "
     "train/grad_norm gnorm .2f, train/kept_groups_frac kept .2f, train/skip_rate skip .2f, "
     "train/logprob_gap_max lp_gap .1e, train/staleness stale .0f, train/mismatch_kl mis_kl .1e, "
     "time/rollout_s roll_s .1f, time/train_s train_s .1f, time/sample_tok_per_s tok/s .0f, "
@@ -19,12 +20,14 @@ CONSOLE = [c.split() for c in (  # metric, console name, format
 
 
 class Logger:
-    """Rank 0 writes metrics.jsonl, the console and W&B; the other ranks' calls do nothing. A resumed run first
-    drops the lines a killed run logged after its last checkpoint, so the resumed metrics.jsonl is exact."""
+    """Rank 0 writes metrics.jsonl, the console and W&B; the other ranks' calls do nothing. A
+    resumed run first drops the lines a killed run logged after its last checkpoint, so the resumed
+    metrics.jsonl is exact."""
 
-    def __init__(self, proc, out_dir: str, config: dict, wandb_mode: str, wandb_project: str,  # proc: infra.Proc
-                 first_step: int, total_steps: int):
-        self.rank, self.first_step, self.total_steps, self.t0, self.wandb = proc.rank, first_step, total_steps, 0, None
+    def __init__(self, proc, out_dir: str, config: dict, wandb_mode: str, wandb_project: str,
+                 first_step: int, total_steps: int):  # proc: infra.Proc
+        self.rank, self.first_step, self.total_steps, self.t0, self.wandb = (
+            proc.rank, first_step, total_steps, 0, None)
         if self.rank != 0:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -34,7 +37,8 @@ class Logger:
             f.writelines(ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= first_step)
         os.replace(path + ".tmp", path)
         self.file = open(path, "a")
-        # auto: W&B's own WANDB_MODE decides when set (CI sets disabled), else online with stored credentials
+        # auto: W&B's own WANDB_MODE decides when set (CI sets disabled), else online with stored
+        # credentials
         mode = (os.environ.get("WANDB_MODE") or "auto") if wandb_mode == "auto" else wandb_mode
         if mode != "disabled":
             import wandb
@@ -44,9 +48,11 @@ class Logger:
                        name=os.path.basename(os.path.abspath(out_dir)))
 
     def log(self, step: int, stage: str, rec: dict):
-        """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a console line."""
+        """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a
+        console line."""
         rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()},
-               "time/wall_s": time.time() - self.t0}  # since the first training step (for equal-time curves)
+               # since the first training step (for equal-time curves)
+               "time/wall_s": time.time() - self.t0}
         if self.rank != 0:
             return
         self.file.write(json.dumps(rec) + "\n")
@@ -55,27 +61,32 @@ class Logger:
             self.wandb.log(rec, step=step)
         if any(k.startswith("eval/") for k in rec):
             return print(f"step {step:5d} {stage:3s} | EVAL " + " ".join(
-                f"{k[5:]} {v:.3f}" for k, v in rec.items() if k.startswith("eval/") and "_L" not in k), flush=True)
+                f"{k[5:]} {v:.3f}" for k, v in rec.items()
+                if k.startswith("eval/") and "_L" not in k), flush=True)
         eta = (time.time() - self.t0) / max(1, step - self.first_step) * (self.total_steps - step)
         cols = " ".join(f"{name} {rec[k]:{fmt}}" for k, name, fmt in CONSOLE if k in rec)
         print(f"step {step:5d} {stage:3s} | {cols} | eta {eta / 60:.1f} min", flush=True)
 
     def samples(self, step: int, rows: list[tuple]):
-        """Eval samples (prompt, completion, gold, correct): three on the console, sixteen in a W&B table."""
+        """Eval samples (prompt, completion, gold, correct): three on the console, sixteen in a W&B
+        table."""
         for prompt, completion, gold, _ in rows[:3] if self.rank == 0 else []:
             print(f"  [eval sample] {prompt!r} -> {completion!r} (gold {gold})")
         if self.wandb:
             cols = ["step", "prompt", "completion", "gold", "correct"]
-            self.wandb.log({"eval/samples": self.wandb.Table(cols, [[step, *r] for r in rows[:16]])}, step=step)
+            self.wandb.log({"eval/samples": self.wandb.Table(
+                cols, [[step, *r] for r in rows[:16]])}, step=step)
 
     def finish(self, results: dict) -> dict:
         """The held-out table, one column per stage; closes the files."""
         if self.rank != 0:
             return results
         keys = sorted({k for r in results.values() for k in r if k != "eval/maj@k"})
-        print("\nheld-out results\n" + f"{'metric':28s}" + "".join(f"{s:>10s}" for s in results) if keys else "")
+        print("\nheld-out results\n" + f"{'metric':28s}" + "".join(f"{s:>10s}" for s in results)
+              if keys else "")
         for k in keys:
-            print(f"{k[5:]:28s}" + "".join(f"{r.get(k, float('nan')):10.3f}" for r in results.values()))
+            print(f"{k[5:]:28s}"
+                  + "".join(f"{r.get(k, float('nan')):10.3f}" for r in results.values()))
         self.file.close()
         if self.wandb:
             self.wandb.finish()

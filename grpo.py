@@ -79,6 +79,114 @@ def register(name: str, formula: str, title: Optional[str] = None):
     return add
 
 
+@register("clip", "min({rho} Â, clip({rho}, 1−{lo}, 1+{hi}) Â)", title="")
+def clip(r: Ratios) -> Surrogate:
+    """PPO's clipped surrogate (DeepSeekMath eq. 3; DAPO §3.1 clip-higher ε_high > ε_low, eq. 8):
+    s_t = min(ρ_t Â_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â_t), the pessimistic side: clipping
+    removes the gain from moving ρ past the trust region, never a penalty. dual_clip c > 1 (Ye et
+    al. 2020): s_t = max(s_t, c Â_t) where Â_t < 0, so the loss stops growing with ρ."""
+    clipped = r.ratio.clamp(1 - r.eps_low, 1 + r.eps_high)
+    surr = torch.minimum(r.ratio * r.adv, clipped * r.adv)
+    # the gradient is taken away where ρ left the range in the direction Â pushes it
+    low, high = (r.ratio < 1 - r.eps_low) & (r.adv < 0), (r.ratio > 1 + r.eps_high) & (r.adv > 0)
+    if r.dual_clip == 0:
+        return Surrogate(surr, low, high, {})
+    dual = (r.adv < 0) & (surr < r.dual_clip * r.adv)  # ρ > c for Â < 0
+    return Surrogate(torch.where(dual, r.dual_clip * r.adv, surr), low, high, {"dual_clip": dual})
+
+
+class LossTerms(NamedTuple):
+    """What policy_loss formed, for the step's metrics (loss_sums)."""
+    surrogate: Surrogate               # s_t and where its trust region binds
+    ratio: torch.Tensor                # ρ_t [n, L] (GSPO: s_i)
+    kl: Optional[torch.Tensor]         # D_t [n, L], the KL to π_ref (β > 0)
+    old_logp: torch.Tensor             # log π_old [n, L], as given
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, loss_scale: Scale = None, eps_low: float = 0.2,
+                eps_high: float = 0.2, agg: str = "seq_mean_token_mean",
+                max_len: Optional[int] = None, ratio_level: str = "token", pg_loss: str = "clip",
+                dual_clip: float = 0.0, tau_pos: float = 1.0, tau_neg: float = 1.05,
+                pg_weight: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
+                beta: float = 0.0, kl_estimator: str = "k3", kl_old: float = 0.0,
+                abs_kl: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossTerms]:
+    """−J of a micro-batch, steps 1-4 of the module docstring: Σ of its per-token terms over
+    loss_scale, the normaliser of the WHOLE batch (Σ of loss_normaliser over every micro-batch and
+    rank; None: this batch's own), so the micro-batch losses sum to the batch's loss.
+    logp, old_logp, mask [n, L]; advantages [n] or [n, L]; pg_weight, ref_logp, abs_kl [n, L] or
+    None. Checked once, not per call: the settings by check_settings (a trainer's Config check),
+    the shapes by check_shapes (a trainer's tensors have them by construction) -> (loss,
+    LossTerms)."""
+    valid = mask != 0                                                                    # [n, L]
+    adv = advantages.to(logp.dtype)
+    adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(logp)                       # [n, L]
+    # the log-ratio is 0 on padding before exp: garbage there cannot become inf, then NaN ∇
+    tok_log_ratio = torch.where(valid, logp - old_logp, 0.0)                              # [n, L]
+    count = valid.sum(1, keepdim=True).clamp(min=1)                                       # [n, 1]
+    log_ratio = tok_log_ratio if ratio_level == "token" else gspo_log_ratio(
+        tok_log_ratio, logp, valid, count)                                               # [n, L]
+    ratios = Ratios(log_ratio.exp(), log_ratio, adv, valid, torch.where(valid, logp, 0.0), old_logp,
+                    count, eps_low, eps_high, tau_pos, tau_neg, dual_clip)
+    surr = PG_LOSSES[pg_loss](ratios)  # s_t: clip (PPO, GRPO, DAPO), below, by default
+    per_tok = -surr.value
+    if pg_weight is not None:  # w_t: TIS, the top-entropy mask, Clip-Cov's mask
+        per_tok = per_tok * pg_weight.detach().to(per_tok.dtype)
+    kl = kl_penalty(logp, ref_logp, kl_estimator, valid) if beta > 0 else None  # D_t, 0 on padding
+    per_tok = per_tok + beta * kl if beta > 0 else per_tok
+    if kl_old > 0:
+        per_tok = per_tok + kl_old * 0.5 * tok_log_ratio ** 2
+    if abs_kl is not None:
+        per_tok = per_tok + abs_kl.detach().to(per_tok.dtype) * tok_log_ratio.abs()
+    per_tok = torch.where(valid, per_tok, 0.0)
+    # step 4, aggregation: per-sequence means (GRPO) or a plain sum (DAPO, Dr. GRPO), then / the
+    # normaliser (an empty row adds 0 and is not counted; an all-padding batch gives 0, not 0/0)
+    total = (per_tok.sum(1) / count[:, 0]).sum() if agg == "seq_mean_token_mean" else per_tok.sum()
+    if loss_scale is None:
+        loss_scale = loss_normaliser(valid, agg, max_len).clamp(min=1)
+    return total / loss_scale, LossTerms(surr, ratios.ratio, kl, old_logp)
+
+
+def gspo_log_ratio(log_ratio: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor,
+                   count: torch.Tensor) -> torch.Tensor:
+    """ratio_level = "sequence" (GSPO-token): value log s_i = 1/|o_i| Σ_t log ρ_i,t on each token,
+    gradient ∇log π_θ(o_i,t); with one Â_i per row and agg="seq_mean_token_mean" the loss and
+    its gradient are GSPO's eq. 5 exactly."""
+    seq_log_ratio = log_ratio.sum(1, keepdim=True) / count                                # [n, 1]
+    return torch.where(valid, seq_log_ratio.detach() + logp - logp.detach(), 0.0)
+
+
+def loss_sums(loss: torch.Tensor, terms: LossTerms, mask: torch.Tensor, entropy: torch.Tensor,
+              sampler_logp: torch.Tensor) -> dict:
+    """A micro-batch's metrics (detached), sums over its loss tokens that a trainer divides by
+    their count ("tokens"), but "loss" (policy_loss's, normalised already) and maxima (*_max):
+    clip_low / clip_high, where the trust region takes the gradient away (clip, gmpo, dppo; for
+    CISPO and SAPO, where ρ leaves [1 − ε_low, 1 + ε_high]), ρ_t, the surrogate's extra masks
+    (dual_clip), the KL to π_ref (β > 0), the entropy of π_θ (entropy [n, L]), and against the
+    sampler's log-probs μ of these tokens (sampler_logp [n, ≥ L]) mismatch_kl, k3 of
+    KL(μ‖π_old), and logprob_gap_max, the largest |log π_old − log μ|."""
+    valid, surr = mask != 0, terms.surrogate
+    gap = (terms.old_logp - sampler_logp[:, :mask.shape[1]]) * mask  # log π_old − log μ
+    sums = {"loss": loss, "tokens": valid.sum(), "entropy": (entropy * mask).sum(),
+            "clip_low": (surr.clip_low & valid).sum(), "clip_high": (surr.clip_high & valid).sum(),
+            "ratio": torch.where(valid, terms.ratio, 0.0).sum(),
+            "mismatch_kl": (torch.expm1(gap) - gap).sum(), "logprob_gap_max": gap.abs().amax(),
+            **{k: (m & valid).sum() for k, m in surr.extra.items()},
+            **({"kl": torch.where(valid, terms.kl, 0.0).sum()} if terms.kl is not None else {})}
+    return {k: v.detach() for k, v in sums.items()}
+
+
+def loss_normaliser(mask: torch.Tensor, agg: str, max_len: Optional[int] = None) -> torch.Tensor:
+    """This micro-batch's share of the loss's denominator (0-d float32), step 4: its loss tokens
+    (token_mean), its non-empty rows (seq_mean_token_mean) or rows · max_len (default L; Dr. GRPO).
+    Summed over every micro-batch and rank, it is policy_loss's loss_scale."""
+    valid, (n, length) = mask != 0, mask.shape
+    count = {"token_mean": valid.sum(), "seq_mean_token_mean": valid.any(1).sum(),
+             "seq_mean_token_sum_norm": n * (length if max_len is None else max_len)}[agg]
+    return torch.as_tensor(count, dtype=torch.float32, device=mask.device)
+
+
+# ============================================== the other surrogates, then the options' terms
 def outside(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
     """ρ_t below 1 − ε_low and above 1 + ε_high: where the trust region would bind."""
     return r.ratio < 1 - r.eps_low, r.ratio > 1 + r.eps_high
@@ -89,22 +197,6 @@ def sg_weighted(weight: torch.Tensor, r: Ratios) -> torch.Tensor:
     sg-weighted losses (CISPO, DPPO); nothing overflows where ρ does."""
     grad_carrier = 1 + r.logp - r.logp.detach()  # value 1, gradient ∇log π_θ
     return weight.detach() * r.adv * grad_carrier
-
-
-@register("clip", "min({rho} Â, clip({rho}, 1−{lo}, 1+{hi}) Â)", title="")
-def clip(r: Ratios) -> Surrogate:
-    """PPO's clipped surrogate (DeepSeekMath eq. 3; DAPO §3.1 clip-higher ε_high > ε_low, eq. 8):
-    s_t = min(ρ_t Â_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) Â_t), the pessimistic side: clipping
-    removes the gain from moving ρ past the trust region, never a penalty. dual_clip c > 1 (Ye et
-    al. 2020): s_t = max(s_t, c Â_t) where Â_t < 0, so the loss stops growing with ρ."""
-    clipped = r.ratio.clamp(1 - r.eps_low, 1 + r.eps_high)
-    surr = torch.minimum(r.ratio * r.adv, clipped * r.adv)
-    low, high = outside(r)
-    low, high = low & (r.adv < 0), high & (r.adv > 0)
-    if r.dual_clip == 0:
-        return Surrogate(surr, low, high, {})
-    dual = (r.adv < 0) & (surr < r.dual_clip * r.adv)  # ρ > c for Â < 0
-    return Surrogate(torch.where(dual, r.dual_clip * r.adv, surr), low, high, {"dual_clip": dual})
 
 
 @register("cispo", "sg(clip({rho}, 1−{lo}, 1+{hi})) Â log π_θ "
@@ -181,72 +273,20 @@ def gmpo(r: Ratios) -> Surrogate:
     return Surrogate((seq_adv * mean_log_ratio.exp()).expand_as(r.logp), low, high, {})
 
 
-def loss_normaliser(mask: torch.Tensor, agg: str, max_len: Optional[int] = None) -> torch.Tensor:
-    """This micro-batch's share of the loss denominator (0-d float32): valid tokens for
-    "token_mean", non-empty rows for "seq_mean_token_mean", N·max_len (max_len defaults to L) for
-    "seq_mean_token_sum_norm". Sum it over micro-batches and ranks and pass the total as
-    loss_scale."""
-    if agg not in AGGS:
-        raise ValueError(f"unknown agg {agg!r}; use one of {AGGS}")
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-d [N, L], got shape {tuple(mask.shape)}")
-    valid = mask != 0
-    if agg == "token_mean":
-        return valid.sum().float()
-    if agg == "seq_mean_token_mean":
-        return valid.any(1).sum().float()
-    n, length = mask.shape
-    return torch.tensor(float(n * (length if max_len is None else max_len)), device=mask.device)
-
-
-def _aggregate(per_tok: torch.Tensor, valid: torch.Tensor, agg: str, max_len: Optional[int],
-               loss_scale: Scale) -> torch.Tensor:
-    # the sum of per-sequence means or of per-token losses, over a local or global normaliser
-    norm = loss_normaliser(valid, agg, max_len) if loss_scale is None else None
-    if agg == "seq_mean_token_mean":
-        # a row with no valid tokens has no mean: it adds 0, and loss_normaliser skips it
-        total = (per_tok.sum(1) / valid.sum(1).clamp(min=1)).sum()
-    else:
-        total = per_tok.sum()
-    # an all-padding batch gives 0 rather than 0/0
-    return total / norm.clamp(min=1) if loss_scale is None else total / loss_scale
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π_θ‖π_ref) at tokens sampled from π_θ: [N, L] × 2 -> [N, L].
-    k1 = −d is unbiased but signed, k2 = d²/2 is ≥ 0 but biased, k3 = e^d − d − 1 is both
-    (Schulman 2020)."""
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {estimator!r}; use one of {KL_ESTIMATORS}")
-    d = ref_logp - logp
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
+               valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ‖π_ref) at tokens sampled from π_θ: [N, L] × 2 -> [N, L],
+    0 where valid (bool [N, L]) is False: garbage there cannot reach the gradient. k1 = −d is
+    unbiased but signed, k2 = d²/2 is ≥ 0 but biased, k3 = e^d − d − 1 is both (Schulman
+    2020)."""
+    d = ref_logp - logp if valid is None else torch.where(valid, ref_logp - logp, 0.0)
     return -d if estimator == "k1" else 0.5 * d * d if estimator == "k2" else d.exp() - d - 1
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                ref_logp: Optional[torch.Tensor] = None, beta: float = 0.0,
-                agg: str = "seq_mean_token_mean", max_len: Optional[int] = None,
-                loss_scale: Scale = None, ratio_level: str = "token", pg_loss: str = "clip",
-                dual_clip: float = 0.0, kl_estimator: str = "k3",
-                pg_weight: Optional[torch.Tensor] = None, tau_pos: float = 1.0,
-                tau_neg: float = 1.05, kl_old: float = 0.0, abs_kl: Optional[torch.Tensor] = None):
-    """Steps 1-4 of the module docstring: the surrogate PG_LOSSES[pg_loss] at ratio_level, times
-    pg_weight, plus β·KL to π_ref, kl_old·k2 to π_old and abs_kl·|log ρ|, aggregated by agg.
-    logp, old_logp, ref_logp, mask, pg_weight, abs_kl [N, L]; advantages [N] or [N, L].
-    Returns (loss, metrics): metrics a dict of detached 0-d tensors (valid-token means, and
-    "tokens", the valid-token count)."""
-    if agg not in AGGS:
-        raise ValueError(f"unknown agg {agg!r}; use one of {AGGS}")
-    if ratio_level not in RATIO_LEVELS or pg_loss not in PG_LOSSES:
-        raise ValueError(f"ratio_level {ratio_level!r} / pg_loss {pg_loss!r}: "
-                         f"use {RATIO_LEVELS} / {tuple(PG_LOSSES)}")
-    if dual_clip != 0 and (dual_clip <= 1 or pg_loss != "clip"):
-        raise ValueError(f"dual_clip must be 0 (off) or > 1 with pg_loss='clip', "
-                         f"got {dual_clip} with {pg_loss!r}")
-    if pg_loss == "gmpo" and ratio_level != "token" or not (tau_pos > 0 and tau_neg > 0):
-        raise ValueError(f"gmpo takes token ratios (it forms its own geometric mean); SAPO's τ "
-                         f"must be > 0, got ratio_level={ratio_level!r}, tau_pos={tau_pos}, "
-                         f"tau_neg={tau_neg}")
+def check_shapes(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                 mask: torch.Tensor, ref_logp: Optional[torch.Tensor] = None, beta: float = 0.0,
+                 pg_weight: Optional[torch.Tensor] = None, abs_kl: Optional[torch.Tensor] = None):
+    """policy_loss's tensors: a ValueError naming the first that does not fit."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be 2-d [N, L], got shape {tuple(logp.shape)}")
     for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp),
@@ -258,49 +298,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                          f"got {tuple(advantages.shape)}")
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp")
-    valid = mask != 0  # [N, L]
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    adv = adv.to(logp.dtype).expand_as(logp)  # [N, L]
-    # the log-ratio is 0 on padding before exp: garbage there cannot become inf, then NaN ∇
-    tok_log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, L]
-    log_ratio = tok_log_ratio
-    count = valid.sum(1, keepdim=True).clamp(min=1)  # [N, 1]
-    if ratio_level == "sequence":
-        # GSPO-token: value s_i, gradient s_i ∇log π_θ(o_i,t); with one Â_i per row and
-        # agg="seq_mean_token_mean" the loss and its gradient are GSPO's eq. 5 exactly
-        seq_log_ratio = log_ratio.sum(1, keepdim=True) / count  # [N, 1]
-        log_ratio = torch.where(valid, seq_log_ratio.detach() + logp - logp.detach(), 0.0)
-    ratios = Ratios(log_ratio.exp(), log_ratio, adv, valid, torch.where(valid, logp, 0.0), old_logp,
-                    count, eps_low, eps_high, tau_pos, tau_neg, dual_clip)
-    surr = PG_LOSSES[pg_loss](ratios)
-    per_tok = -surr.value
-    if pg_weight is not None:
-        per_tok = -surr.value * pg_weight.detach().to(surr.value.dtype)
-    if beta > 0:
-        # both 0 on padding: d = 0 there for every estimator, and garbage cannot reach the gradient
-        kl = kl_penalty(torch.where(valid, logp, 0.0), torch.where(valid, ref_logp, 0.0),
-                        kl_estimator)
-        per_tok = per_tok + beta * kl
-    if kl_old > 0:
-        per_tok = per_tok + kl_old * 0.5 * tok_log_ratio ** 2
-    if abs_kl is not None:
-        per_tok = per_tok + abs_kl.detach().to(per_tok.dtype) * tok_log_ratio.abs()
-    per_tok = torch.where(valid, per_tok, 0.0)
-    loss = _aggregate(per_tok, valid, agg, max_len, loss_scale)
 
-    # metrics: clip_low / clip_high, where the trust region takes the token's gradient away
-    # (clip, gmpo, dppo); for CISPO and SAPO, where ρ leaves [1 − ε_low, 1 + ε_high] (kept)
-    with torch.no_grad():
-        n_tok = valid.sum()
-        denom = n_tok.clamp(min=1).float()
-        metrics = {"clip_low": (surr.clip_low & valid).sum() / denom,
-                   "clip_high": (surr.clip_high & valid).sum() / denom,
-                   "ratio": torch.where(valid, ratios.ratio, 0.0).sum() / denom,
-                   "tokens": n_tok.float()}
-        metrics.update({k: (m & valid).sum() / denom for k, m in surr.extra.items()})
-        if beta > 0:
-            metrics["kl"] = torch.where(valid, kl, 0.0).sum() / denom
-    return loss, metrics
+
+def check_settings(pg_loss: str = "clip", ratio_level: str = "token", agg: str = AGGS[0],
+                   dual_clip: float = 0.0, tau_pos: float = 1.0, tau_neg: float = 1.05,
+                   kl_estimator: str = "k3"):
+    """policy_loss's settings, checked once (a run's Config: checks.py), not per call."""
+    if agg not in AGGS or kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"agg {agg!r} / kl_estimator {kl_estimator!r}: "
+                         f"use {AGGS} / {KL_ESTIMATORS}")
+    if ratio_level not in RATIO_LEVELS or pg_loss not in PG_LOSSES:
+        raise ValueError(f"ratio_level {ratio_level!r} / pg_loss {pg_loss!r}: "
+                         f"use {RATIO_LEVELS} / {tuple(PG_LOSSES)}")
+    if dual_clip != 0 and (dual_clip <= 1 or pg_loss != "clip"):
+        raise ValueError(f"dual_clip must be 0 (off) or > 1 with pg_loss='clip', "
+                         f"got {dual_clip} with {pg_loss!r}")
+    if pg_loss == "gmpo" and ratio_level != "token" or pg_loss == "sapo" and not (
+            tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"gmpo takes token ratios (it forms its own geometric mean); SAPO's τ "
+                         f"must be > 0, got ratio_level={ratio_level!r}, tau_pos={tau_pos}, "
+                         f"tau_neg={tau_neg}")
 
 
 def cov_select(old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -397,4 +414,5 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, loss_scale: Scale = None) -
         raise ValueError(f"need logp and mask of one shape [N, L], "
                          f"got {tuple(logp.shape)}, {tuple(mask.shape)}")
     valid = mask != 0
-    return _aggregate(torch.where(valid, -logp, 0.0), valid, "token_mean", None, loss_scale)
+    total = torch.where(valid, -logp, 0.0).sum()
+    return total / (valid.sum().float().clamp(min=1) if loss_scale is None else loss_scale)

@@ -1,12 +1,15 @@
-"""The NaN guard of train.py: a non-finite loss or gradient norm on any rank skips the optimizer step on every rank,
-loudly (a logged loss that averages NaN steps away, while the optimizer steps on them, is what it prevents).
+"""The NaN guard of train.py: a non-finite loss or gradient norm on any rank skips the optimizer
+step on every rank, loudly (a logged loss that averages NaN steps away, while the optimizer steps on
+them, is what it prevents).
 
 1. rl_step keeps each micro-batch's loss (detached, on the device: no host sync in the loop);
-2. finite_everywhere: one all-reduce of the non-finite count over every rank before the optimizer step;
-   train.optimizer_step skips the step on every rank when it is false or the (global) gradient norm is not finite;
-3. name_bad_rows: the console names the step, the rank and the rows of each non-finite micro-batch;
-4. count_bad_steps: main counts consecutive bad steps (train/bad_steps, on bad steps) and stops after
-   max_bad_steps with an error; checkpoints are written only after good steps, so the newest one on disk is good.
+2. train.optimizer_step: one all-reduce of the non-finite count over every rank; the step is skipped
+   on every rank when it is not 0 or the (global) gradient norm is not finite;
+3. name_bad_rows, after a skipped step: the console names the step, the rank and the rows of each
+   non-finite micro-batch;
+4. count_bad_steps: main counts consecutive bad steps (train/bad_steps, on bad steps) and stops
+   after max_bad_steps with an error; checkpoints are written only after good steps, so the newest
+   one on disk is good.
 
 Test: python -m pytest -q tests/test_train.py -k "non_finite or nan_loss"
 """
@@ -14,36 +17,31 @@ import math
 
 import torch
 
-import infra
 
-
-def finite_everywhere(losses: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool, the same on every rank: True iff every micro-batch loss of every rank is finite (one all-reduce)."""
-    bad = torch.stack([~torch.isfinite(x) for x in losses]).sum() if losses else torch.zeros(())
-    return infra.all_sum(bad.float()) == 0
-
-
-def name_bad_rows(step: int, rank: int, losses: list[torch.Tensor], plan: list[list[int]], names: list[str]):
-    """Print which of this rank's micro-batches (losses[e·len(plan) + b] is micro-batch b of epoch e) had a
-    non-finite loss, with the names of their rows; one host sync."""
-    if not losses:
-        return
-    bad = [j for j, ok in enumerate(torch.isfinite(torch.stack(losses)).tolist()) if not ok]
-    for j in bad:
-        rows = ", ".join(names[r] for r in plan[j % len(plan)])
-        print(f"warning: step {step}, rank {rank}: non-finite loss in micro-batch {j % len(plan)} "
-              f"(epoch {j // len(plan)}), rows {rows}", flush=True)
+def name_bad_rows(step: int, rank: int, epoch: int, losses: list[torch.Tensor], batch):
+    """Print which of this rank's micro-batches of a train.Batch had a non-finite loss in this epoch
+    (losses[b]: micro-batch b's), with the names of their rows, "problem id/sample"."""
+    bad = [b for b, ok in enumerate(torch.isfinite(torch.stack(losses)).tolist()) if not ok] \
+        if losses else []
+    G = len(batch.groups[0].comps)  # row k·G + i: sample i of group k
+    for b in bad:
+        rows = ", ".join(f"{batch.groups[r // G].pid}/{r % G}"
+                         for r in (batch.rows[i] for i in batch.plan[b]))
+        print(f"warning: step {step}, rank {rank}: non-finite loss in micro-batch {b} "
+              f"(epoch {epoch}), rows {rows}", flush=True)
 
 
 def count_bad_steps(bad_steps: int, rec: dict, step: int, max_bad_steps: int, out_dir: str) -> int:
-    """The consecutive-bad-step count after this step's record (floats): 0 after a step whose loss and gradient norm
-    are finite; else the count + 1, also written into rec as train/bad_steps (only bad steps carry the key, so a
-    good step logs what it always did); a RuntimeError once it reaches max_bad_steps."""
+    """The consecutive-bad-step count after this step's record (floats): 0 after a step whose loss
+    and gradient norm are finite; else the count + 1, also written into rec as train/bad_steps (only
+    bad steps carry the key, so a good step logs what it always did); a RuntimeError once it reaches
+    max_bad_steps."""
     if math.isfinite(rec["train/loss"]) and math.isfinite(rec["train/grad_norm"]):
         return 0
     bad_steps = rec["train/bad_steps"] = bad_steps + 1
-    print(f"warning: step {step}: non-finite loss or grad norm, update skipped ({bad_steps} in a row)", flush=True)
+    print(f"warning: step {step}: non-finite loss or grad norm, update skipped "
+          f"({bad_steps} in a row)", flush=True)
     if bad_steps >= max_bad_steps:
-        raise RuntimeError(f"{bad_steps} non-finite steps in a row (the last at step {step}); the last good "
-                           f"checkpoint is intact in {out_dir}")
+        raise RuntimeError(f"{bad_steps} non-finite steps in a row (the last at step {step}); "
+                           f"the last good checkpoint is intact in {out_dir}")
     return bad_steps

@@ -102,44 +102,43 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-def micro_batches(lengths: list[int], budget: int, n_micro: int | None = None) -> list[list[int]]:
-    """Consecutive row groups with rows × longest ≤ budget (at least one row each); padded with
-    empty groups to n_micro so every rank runs the same number of forward/backward passes (FSDP
-    collectives must match)."""
-    out, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    out += [cur] if cur else []
-    return out + [[] for _ in range((n_micro or len(out)) - len(out))]
+def micro_batches(prompts: list, completions: list, budget: int) -> tuple[list[list[int]], int]:
+    """This rank's rows in micro-batches of rows × longest row (prompt + completion) <= budget
+    tokens (one row at least), longest rows first, so that rows of similar length share one
+    (padding costs tokens; the normaliser is global, so any grouping gives the same gradient) ->
+    (the micro-batches as row indices, padding passes: the busiest rank's count less this one's, so
+    every rank runs as many forward and backward passes and FSDP's collectives line up)."""
+    plan, lengths = [], [len(p) + len(c) for p, c in zip(prompts, completions)]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if not plan or (len(plan[-1]) + 1) * lengths[plan[-1][0]] > budget:
+            plan.append([])
+        plan[-1].append(i)
+    return plan, int(all_max(len(plan))) - len(plan)
 
 
-def rank_micro_batches(prompts: list, comps: list, budget: int) -> list[list[int]]:
-    """This rank's rows in micro-batches, longest first so that rows of similar length share one
-    (padding costs tokens; the normaliser is global, so any grouping gives the same gradient). As
-    many as the busiest rank has: a padding pass holds the pad row, index len(prompts), which the
-    caller appends with an empty loss mask."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, comps)]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    ordered = [lengths[i] for i in order]
-    plan = micro_batches(ordered, budget, int(all_max(len(micro_batches(ordered, budget)))))
-    return [[order[j] for j in rows] or [len(prompts)] for rows in plan]
+def padding_passes(model, n: int, backward: bool = True):
+    """n forward (and backward) passes of one token that add nothing to any gradient, for a rank
+    with fewer micro-batches than the busiest (micro_batches); the last backward reduce-scatters
+    the step's gradients."""
+    for i in range(n):
+        if backward and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == n - 1)
+        out = model(torch.zeros(1, 1, dtype=torch.long, device=DEVICE))  # [1, 1, V] logits
+        if backward:
+            (out.sum() * 0.0).backward()
 
 
-def add_sums(sums: dict, metrics: dict):
-    """sums[k] += metrics[k] (tensors, detached, float32): a step's metrics accumulated over its
-    micro-batches."""
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + v.detach().float()
-
-
-def all_sum_dict(sums: dict) -> dict:
-    """Sums over ranks, in one collective (every rank holds the same keys: padding passes log
-    zeros)."""
-    return dict(zip(sums, all_sum(torch.stack(list(sums.values()))))) if sums else {}
+def reduce_metrics(parts: list[dict]) -> dict:
+    """A step's metrics from its micro-batches' dicts of 0-d tensors: each key summed over the
+    micro-batches (in order) and the ranks; a key ending in "_max", the maximum (of values >= 0).
+    A key a rank has not got (a rank with no rows this step) counts 0 there."""
+    keys = list(dict.fromkeys(k for ks in all_gather_list([[*d] for d in parts]) for k in ks))
+    zero = torch.zeros((), device=DEVICE)  # [..., zero] below: a stack is never empty
+    values = {k: [d[k].detach().float() for d in parts if k in d] for k in keys}
+    sums = {k: sum(v, zero) for k, v in values.items() if not k.endswith("_max")}
+    tops = {k: torch.stack([zero, *v]).amax() for k, v in values.items() if k.endswith("_max")}
+    return {**dict(zip(sums, all_sum(torch.stack([*sums.values(), zero])))),
+            **dict(zip(tops, all_max(torch.stack([*tops.values(), zero]))))}
 
 
 def shard(model: Transformer, proc: Proc):
@@ -197,14 +196,6 @@ def refresh(copy, model, lazy=False):
         for name, x in lora.merged_parameters(model, dtype) if not lazy else ():
             dst[name].copy_(x)
         copy.stale = lazy
-
-
-def grad_sync(model, on: bool):
-    """FSDP2 reduce-scatters gradients in this backward (on) or accumulates them unsharded in fp32
-    (off: memory of the full gradient): on for the last micro-batch of an optimizer step only. A
-    no-op for a plain module."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(on)
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:

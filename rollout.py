@@ -12,8 +12,9 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
      row's draws depend only on its seed and position, never on its batch-mates or on when finished
      rows are dropped (the CDF summed in float64; Gumbel-max: V times the noise, 15% of a step).
   4. Record x and log softmax(z)[x]. Feed x back through the cache; a row that emits a stop id is
-     done. Steps 3-4 are decode.step, one function for both loops below. With tools (tooluse.py) a
-     row that closes a call takes the result as forced tokens: the same step, no log-prob.
+     done. generate's eager loop below is steps 1-5 in one body; the static loop and tools
+     (tooluse.py: a row that closes a call takes the result as forced tokens, no log-prob) run
+     decode.py's step in generate_decoder, with the same tokens.
   5. Eager (the CPU default): when the live rows have fallen to 3/4 of the batch since the last
      compaction, drop the done rows from the batch and the cache (a copy, so not every step); a host
      check every step. Static (the CUDA default, torch.compile + CUDA graphs): N rows start in a
@@ -40,17 +41,18 @@ import torch
 import torch.nn.functional as F
 
 import decode
-from decode import Decoder, batch, compiled_step, filter_logits, record, step
+from decode import Outputs, batch, compiled_step, filter_logits, record
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 wraps as uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 MIX1, MIX2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
-COMPACT_AT = 0.75  # eager: compact when live rows <= 3/4 of the batch (fastest: FINDINGS.md)
+COMPACT_AT = 0.75  # eager: compact at 3/4 of the batch's live rows (RESULTS.md §4, constants)
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (< 8 steps wasted)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buffers < 2 x 512 rows)
 WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded up (a graph a width)
-LOGITS_PER_CHUNK = {"cuda": 2 ** 26}  # completion_forward's head blocks (else 32 MB: FINDINGS.md)
+# completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
+LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 
 
@@ -70,11 +72,10 @@ class Rollout:
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser, in place on int64 (>> is arithmetic there: mask after shifting)."""
-    for shift, mult in ((30, MIX1), (27, MIX2), (31, 0)):
+    for shift, mult in ((30, MIX1), (27, MIX2)):
         x ^= (x >> shift).bitwise_and_((1 << (64 - shift)) - 1)
-        if mult:
-            x *= mult
-    return x
+        x *= mult
+    return x.bitwise_xor_((x >> 31).bitwise_and_((1 << 33) - 1))
 
 
 def row_seeds(seed, n: int, device) -> torch.Tensor:
@@ -107,12 +108,6 @@ def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype).view(len(seqs), T)
 
 
-def _chunk_log_softmax(h, w, temperature, top_k, top_p):
-    """h [c, C] hidden states, w [V, C] the LM head -> log softmax of the sampling distribution
-    [c, V] float32 (the kept set of top-k/top-p: a constant for the gradient)."""
-    return filter_logits(F.linear(h, w), temperature, top_k, top_p).log_softmax(-1)
-
-
 class HeadLogProbs(torch.autograd.Function):
     """log π(target) [M] and entropy [M] of π = filter(h Wᵀ / T) for M hidden states h [M, C],
     `chunk` rows at a time. Backward recomputes each chunk's logits, so one [chunk, V] block is
@@ -121,10 +116,11 @@ class HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, targets, temperature, top_k, top_p, chunk):
-        dtype = torch.promote_types(h.dtype, torch.float32)
-        logp, ent = (h.new_empty(len(h), dtype=dtype) for _ in range(2))             # [M], [M]
+        logp, ent = (h.new_empty(len(h), dtype=torch.promote_types(h.dtype, torch.float32))
+                     for _ in range(2))                                              # [M], [M]
         for i in range(0, len(h), chunk):
-            lz = _chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)      # [c, V]
+            z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c, V]
+            lz = z.log_softmax(-1)
             logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
             ent[i:i + chunk] = -(lz.exp() * lz).nansum(-1)  # a filtered token's 0 · −inf adds 0
         ctx.save_for_backward(h, w, targets)
@@ -134,14 +130,12 @@ class HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _):
-        h, w, targets = ctx.saved_tensors
-        temperature, top_k, top_p, chunk = ctx.settings
+        (h, w, targets), (temperature, top_k, top_p, chunk) = ctx.saved_tensors, ctx.settings
         gh, gw = torch.zeros_like(h), torch.zeros_like(w, dtype=g.dtype)    # gw summed in float32+
         for i in range(0, len(h), chunk):
-            gi = g[i:i + chunk, None]                                                  # [c, 1]
-            lz = _chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)      # [c, V]
-            gz = -lz.exp() * gi                                                        # −π g
-            gz.scatter_add_(-1, targets[i:i + chunk, None], gi)                        # + onehot g
+            z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c, V]
+            gz = -z.log_softmax(-1).exp() * g[i:i + chunk, None]                       # −π g
+            gz.scatter_add_(-1, targets[i:i + chunk, None], g[i:i + chunk, None])      # + onehot g
             # both GEMMs in w's dtype (bf16 on GPU, fp32 accumulation inside), as Linear's backward
             gz = (gz / temperature if temperature > 0 else gz).to(w.dtype)
             gh[i:i + chunk] = gz @ w
@@ -149,72 +143,76 @@ class HeadLogProbs(torch.autograd.Function):
         return gh, gw.to(w.dtype), None, None, None, None, None
 
 
-def completion_forward(model, prompts: list[list[int]], comps: torch.Tensor, lengths, head):
-    """One causal forward over prompt + completion for comps [n, L] (right-padded: no mask needed;
-    `lengths` real tokens per row, default all L) whose LM head is head(h, w, targets, chunk), at
-    the M completion tokens only (h [M, C], w [V, C] the head's weight, targets [M], chunk: the rows
-    of a [chunk, V] block of ~2^23 logits) -> (head's result, targets [M], valid [n, L])."""
-    dev = model.model.embed_tokens.weight.device
-    n, L = comps.shape
-    lens = torch.tensor(lengths if lengths is not None else [L] * n, device=dev)
-    valid = torch.arange(L, device=dev) < lens[:, None]                                 # [n, L]
-    first = torch.tensor([len(p) for p in prompts], device=dev)[:, None] - 1  # [n, 1] predicts o_0
-    pos = first + torch.arange(L, device=dev)                                  # [n, L] predicts o_t
-    seqs = pad_batch([p + c for p, c in zip(prompts, comps.tolist())]).to(dev)           # [n, T]
-    targets = comps.to(dev)[valid]                                                       # [M]
-
-    def at_completions(h, w):  # h [n, T - 1, C] -> head of the M completion positions' [M, C]
-        chunk = max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0])  # float32 blocks
-        hs = h[torch.arange(n, device=dev)[:, None], pos][valid]                         # [M, C]
-        return head(hs, w, targets, chunk)
-    return model(seqs[:, :-1], head=at_completions), targets, valid
+def completion_forward(model, prompts: list[list[int]], completions: list[list[int]], head):
+    """One causal forward over prompt + completion (bf16 autocast on CUDA), its LM head replaced by
+    head(h [M, C], w [V, C], targets [M], chunk) at the M completion tokens only (chunk: the rows of
+    a [chunk, V] block of ~2^23 logits) -> (head's result, valid [n, L]: a completion's tokens)."""
+    dev, n = model.model.embed_tokens.weight.device, len(completions)
+    ids = pad_batch(completions).to(dev)                                                # [n, L]
+    valid = pad_batch([[True] * len(c) for c in completions], False, torch.bool).to(dev)  # [n, L]
+    seqs = pad_batch([p + c for p, c in zip(prompts, ids.tolist())]).to(dev)  # [n, T]: c padded
+    first = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long, device=dev)  # o_0's
+    at = (torch.arange(n, device=dev)[:, None], first + torch.arange(ids.shape[1], device=dev))
+    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):  # h[at]: o_t's
+        return model(seqs[:, :-1], head=lambda h, w: head(h[at][valid], w, ids[valid], max(
+            1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), valid
 
 
-def completion_logprobs(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float,
-                        top_k: int = 0, top_p: float = 1.0,
-                        lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """generate's twin for the trainer: comps [n, L] after their prompts -> (log π(o_t | q, o_<t)
-    [n, L] float32, differentiable, 0 past a row's length; the entropy of π there [n, L], no grad,
-    for logging), π the distribution generate samples from at the same settings. The LM head runs
-    only at completion tokens, in chunks (HeadLogProbs): memory never holds [n, L, V] logits."""
-    def head(h, w, targets, chunk):
-        return HeadLogProbs.apply(h, w, targets, temperature, top_k, top_p, chunk)
-    (logp, ent), _, valid = completion_forward(model, prompts, comps, lengths, head)    # [M], [M]
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                        temperature: float, top_k: int = 0,
+                        top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate's twin for the trainer: each completion (token ids) after its prompt ->
+    (log π(o_t | q, o_<t) [n, L] float32, differentiable, 0 past a row's end; the entropy of π
+    there [n, L], no grad), π the distribution generate samples from at the same settings. The LM
+    head runs only at completion tokens, in chunks (HeadLogProbs): never [n, L, V] logits."""
+    (logp, ent), valid = completion_forward(model, prompts, completions, lambda h, w, t, c: (
+        HeadLogProbs.apply(h, w, t, temperature, top_k, top_p, c)))                  # [M], [M]
     zeros = logp.new_zeros(valid.shape)
     return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
 
 
-def completion_log_softmax(model, prompts: list[list[int]], comps: torch.Tensor, temperature: float,
-                           top_k: int = 0, top_p: float = 1.0, lengths: list[int] | None = None):
+def completion_log_softmax(model, prompts: list[list[int]], completions: list[list[int]],
+                           temperature: float, top_k: int = 0, top_p: float = 1.0):
     """completion_logprobs' forward keeping the whole log softmax of π at each of the M completion
-    tokens -> (log π [M, V] float32, targets [M], valid [n, L]). The same chunks of the same
-    hidden states, so log π[target] is bitwise completion_logprobs'; memory M·V: small V only."""
+    tokens -> (log π [M, V] float32, valid [n, L]). The same chunks of the same hidden states, so
+    log π[target] is bitwise completion_logprobs'; memory M·V: small V only."""
     def head(h, w, targets, chunk):                                                     # [M, V]
-        return torch.cat([_chunk_log_softmax(h[i:i + chunk], w, temperature, top_k, top_p)
-                          for i in range(0, len(h), chunk)])
-    return completion_forward(model, prompts, comps, lengths, head)
+        return torch.cat([filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k,
+                                        top_p).log_softmax(-1) for i in range(0, len(h), chunk)])
+    return completion_forward(model, prompts, completions, head)
 
 
-def _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p):
-    if not prompts:
-        raise ValueError("prompts is empty: pass a list of token-id lists")
-    V, max_len = model.config.vocab_size, model.config.max_seq_len
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) + max_new_tokens > max_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens: + max_new_tokens={max_new_tokens} "
-                             f"exceeds max_seq_len={max_len}")
-        if min(p) < 0 or max(p) >= V:
-            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={V})")
-    checks = [(num_samples >= 1, f"num_samples={num_samples} must be >= 1"),
-              (max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be >= 1"),
-              (temperature >= 0, f"temperature={temperature} must be >= 0 (0 means greedy)"),
-              (top_k >= 0, f"top_k={top_k} must be >= 0 (0 means off)"),
-              (0 < top_p <= 1, f"top_p={top_p} must be in (0, 1] (1 means off)")]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+def _check(model, prompts, G: int, L: int, temperature: float, top_k: int, top_p: float, seed):
+    """generate's arguments: a ValueError naming the first that is wrong."""
+    V, max_len, N = model.config.vocab_size, model.config.max_seq_len, len(prompts) * G
+    fits = [bool(p) and len(p) + L <= max_len and min(p) >= 0 and max(p) < V for p in prompts]
+    ok = dict(prompts=bool(prompts), prompt=all(fits), num_samples=G >= 1, max_new_tokens=L >= 1,
+              temperature=temperature >= 0, top_k=top_k >= 0, top_p=0 < top_p <= 1,
+              seed=getattr(seed, "shape", (N,)) == (N,))
+    if not all(ok.values()):
+        i = fits.index(False) if False in fits else None
+        i, p = (i, prompts[i]) if i is not None else (0, [0])
+        raise ValueError({
+            "prompts": "prompts is empty: pass a list of token-id lists",
+            "prompt": f"prompt {i} is empty" if not p else f"prompt {i} has {len(p)} tokens, ids "
+                      f"in [{min(p)}, {max(p)}]: ids must be in [0, vocab_size={V}), and "
+                      f"+ max_new_tokens={L} <= max_seq_len={max_len}",
+            "num_samples": f"num_samples={G} must be >= 1",
+            "max_new_tokens": f"max_new_tokens={L} must be >= 1",
+            "temperature": f"temperature={temperature} must be >= 0 (0 means greedy)",
+            "top_k": f"top_k={top_k} must be >= 0 (0 means off)",
+            "top_p": f"top_p={top_p} must be in (0, 1] (1 means off)",
+            "seed": f"seed: an int, or one seed per row ({N},)"}[min(ok, key=ok.get)])
+
+
+def prefill(model, prompts: list[list[int]], slots: int, pad_id: int):
+    """Step 1: one forward of the P distinct prompts, left-padded to S, into a cache of `slots`
+    -> (the cache, whose start is each row's pad count; the last position's logits [P, V])."""
+    dev, S = model.model.embed_tokens.weight.device, max(map(len, prompts))
+    idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)  # [P, S]
+    start = torch.tensor([S - len(p) for p in prompts], device=dev)                       # [P]
+    cache = model.new_cache(len(prompts), slots, start=start)
+    return cache, model(idx, cache, last_only=True)[:, -1]
 
 
 def _cat(parts: list, pad_id: int) -> Rollout:
@@ -233,58 +231,97 @@ def _cat(parts: list, pad_id: int) -> Rollout:
 @torch.no_grad()
 def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
              stop_ids=(), seed=None, pad_id=0, static=None, tools=None) -> Rollout:
-    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout with N = P·G
-    rows. static (default: on CUDA) runs the compiled static step, else the same step eagerly; both
-    sample the same tokens. tools (a tooluse.Toolbox): a row that closes a call gets its result as
-    forced tokens (the host looks after every token); max_new_tokens counts them too."""
-    _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p)
-    dev = model.model.embed_tokens.weight.device
-    if static is None:  # the rule: decode.STATIC_BY_DEFAULT
-        static = decode.STATIC_BY_DEFAULT.get(dev.type, False)
-    P, G, L = len(prompts), num_samples, max_new_tokens
+    """Sample num_samples completions of each prompt (lists of token ids) -> Rollout, N = P·G rows.
+    The eager loop below, by default on CPU; with static (default on CUDA:
+    decode.STATIC_BY_DEFAULT) or tools, decode.py's step in generate_decoder. seed: an int, [N] row
+    seeds or None. tools (a tooluse.Toolbox): a row that closes a call gets the tool's result as
+    forced tokens; max_new_tokens counts them too. The same tokens every way."""
+    _check(model, prompts, num_samples, max_new_tokens, temperature, top_k, top_p, seed)
+    dev, P, G, L = model.model.embed_tokens.weight.device, len(prompts), num_samples, max_new_tokens
+    seeds = seed.to(dev) if isinstance(seed, torch.Tensor) else row_seeds(seed, P * G, dev)  # [N]
+    # step 3's uniforms up front, one per (row, position), whatever batch a row is in
+    noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))   # [N, L]
+    static = decode.STATIC_BY_DEFAULT.get(dev.type, False) if static is None else static
+    if static or tools is not None:
+        return generate_decoder(model, prompts, G, L, (temperature, top_k, top_p, pad_id),
+                                stop_ids, seeds, noise, tools, static)
+    cache, logits = prefill(model, prompts, max(map(len, prompts)) + L, pad_id)  # 1. [P, V]
+    rows = torch.arange(P * G, device=dev)  # 2. the output row of each batch row: G per prompt
+    cache, logits = cache.index_rows(rows // G), logits[rows // G]                      # [N, V]
+    ids, logps = torch.full((P * G, L), pad_id, device=dev), torch.zeros(P * G, L, device=dev)
+    mask, live, nonfinite = torch.zeros(P * G, L, dtype=torch.bool, device=dev), rows >= 0, rows < 0
+    stop, compacted_at = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev), P * G
+    for t in range(L):
+        u = noise[rows, t] if temperature > 0 else None                            # [B] or greedy
+        tok, logp = decode.sample(filter_logits(logits, temperature, top_k, top_p), u)  # 3. [B]
+        ok = live & ~logp.isnan()  # logits not finite: the row ends here, without a token
+        ids[rows, t], logps[rows, t] = tok.masked_fill(~ok, pad_id), logp.masked_fill(~ok, 0.0)
+        mask[rows, t], nonfinite[rows] = ok, nonfinite[rows] | live & ~ok                 # 4.
+        live = ok & ~torch.isin(tok, stop)
+        n_live = int(live.sum()) if stop_ids else len(live)  # the host looks: every row done?
+        if n_live == 0 or t == L - 1:
+            break
+        if n_live <= COMPACT_AT * compacted_at:  # 5. drop the done rows: a copy, so not every step
+            keep, compacted_at = live.nonzero()[:, 0], n_live                         # [n_live]
+            rows, live, tok, cache = rows[keep], live[keep], tok[keep], cache.index_rows(keep)
+        logits = model(tok[:, None], cache)[:, -1]  # feed each row's token: [B, V]
+    truncated = torch.zeros_like(nonfinite).index_put_((rows,), live) | nonfinite  # no stop token
+    n = int(mask.sum(1).max())  # the longest completion
+    return Rollout(ids[:, :n], mask[:, :n], logps[:, :n], truncated, mask.sum(1), seeds, nonfinite,
+                   mask[:, :n], *torch.zeros(2, P * G, dtype=torch.long, device=dev))  # no tools
+
+
+def finish(ids, mask, logprobs, truncated, seeds, nonfinite, policy, calls=None,
+           errors=None) -> Rollout:
+    """A call's [N, ...] outputs as a Rollout, cut to the longest completion."""
+    lengths = mask.sum(1)
+    n = int(lengths.max())  # the longest row: the steps that produced a token
+    calls, errors = (torch.zeros_like(lengths), ) * 2 if calls is None else (calls, errors)
+    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), logprobs[:, :n].clone(), truncated,
+                   lengths, seeds, nonfinite, policy[:, :n].clone(), calls, errors)
+
+
+def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, seeds, noise,
+                     tools, static: bool) -> Rollout:
+    """generate with tools or static: decode.py's step over a Decoder (the row state a compiled step
+    reads), one loop for both. Eager (tools on CPU): finished rows dropped as in generate. Static
+    (the CUDA default, torch.compile + CUDA graphs): N rows start in a power-of-two batch (padding
+    rows not live, writing output row N), at most MAX_ROWS a call (whole prompts), in buffers made
+    once per model at one capacity (decode.reserve); done rows stay in the captured batch, masked;
+    every CHECK_EVERY steps the host looks, and once the live rows fit in half the batch they move
+    to a half-size (or smaller) batch. With tools the host answers calls after every token."""
+    dev, P, pad_id = seeds.device, len(prompts), settings[3]
     N, S = P * G, max(map(len, prompts))
-    seeds = row_seeds(seed, N, dev)
     if static and N > MAX_ROWS and P > 1:  # whole prompts, <= MAX_ROWS rows a call: bounded buffers
         k = max(1, MAX_ROWS // G)
-        parts = [generate(model, prompts[i:i + k], G, L, temperature, top_k, top_p, stop_ids,
-                          seeds[i * G:(i + k) * G], pad_id, static, tools) for i in range(0, P, k)]
+        parts = [generate_decoder(model, prompts[i:i + k], G, L, settings, stop_ids,
+                                  seeds[i * G:(i + k) * G], noise[i * G:(i + k) * G], tools, static)
+                 for i in range(0, P, k)]
         return _cat(parts, pad_id)
     chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
     W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
-    # a static call runs in power-of-two batches B <= B0 (padding rows: not live, writing output row
-    # N), in buffers of one capacity (slots, L, rows) per model, the largest call's so far; a slot
-    # more than any width (a width of the whole cache: another graph, its K/V slices contiguous)
+    # a static call runs in power-of-two batches B <= B0, in buffers of one capacity (slots, L,
+    # rows) per model, the largest call's so far; a slot more than any width (a width of the whole
+    # cache: another graph, its K/V slices contiguous)
     B = max(MIN_BUCKET, 1 << (N - 1).bit_length()) if static else N
     W, Lc, R = decode.reserve(model, W + 1, L, B) if static else (W, L, N)
-    # 1. one prefill of the P distinct prompts, left-padded to S
-    idx = torch.tensor([[pad_id] * (S - len(p)) + list(p) for p in prompts], device=dev)  # [P, S]
-    start = torch.tensor([S - len(p) for p in prompts], device=dev)                       # [P]
-    cache = model.new_cache(P, W, start=start)
-    logits = model(idx, cache, last_only=True)[:, -1]                                      # [P, V]
+    cache, logits = prefill(model, prompts, W, pad_id)                                  # [P, V]
     cache.width = W if static else None
-    # 2. G rows share each prompt's prefill; a uniform per (row, position) up front (batch-free)
-    rows = torch.arange(B, device=dev).clamp(max=N)                    # [B] output row (N: padding)
-    group = (rows.clamp(max=N - 1) // G)                               # [B] prompt of a row
-    keys = seeds[rows.clamp(max=N - 1), None] + torch.arange(1, L + 1, device=dev) * MIX1  # [B, L]
-    noise = uniform(mix64(keys))                                       # [B, L] float64
-    out = decode.Outputs.empty(R + 1, Lc, dev) if not static else decode.persistent(  # row N: the
-        model, "out", lambda: decode.Outputs.empty(R + 1, Lc, dev))  # static padding rows' writes
+    rows = torch.arange(B, device=dev).clamp(max=N)                # [B] output row (N: padding)
+    group = rows.clamp(max=N - 1) // G                              # [B] prompt of a row
+    out = decode.persistent(model, "out", lambda: Outputs.new(R + 1, Lc, pad_id, dev)) if static \
+        else Outputs.new(R + 1, Lc, pad_id, dev)
     out.clear(pad_id)
-    ids = sorted(set(stop_ids))
-    # >= 2 stop ids (padded with -1): no branch on their number, no size 0 or 1 to specialise on
-    stop = torch.tensor(ids + [-1] * (2 - len(ids)), dtype=torch.long, device=dev)
-    session = tools.session(N, out) if tools is not None else None
-    close = torch.tensor(session.close_ends if session else [-1, -1], device=dev)  # >= 2 as stop
-    settings = (temperature, top_k, top_p, pad_id)
-    per_row = dict.fromkeys(("tok", "live", "rows", "noise", "queue", "qpos", "qlen", "called"))
-    d = Decoder(cache, **per_row, t=rows.new_zeros(()), out=out, stop=stop, close=close,
-                settings=settings)  # batch() fills the per-row state
+    stop, close = (torch.tensor(sorted(set(x)) + [-1] * (2 - len(set(x))), dtype=torch.long,
+                                device=dev) for x in (stop_ids, tools.marks if tools else ()))
+    fixed = dict(out=out, stop=stop, close=close, settings=settings)  # >= 2 ids each, -1-padded
     tok, qpos, qlen = (rows.new_zeros(B) for _ in range(3))  # three tensors, each written in place
-    state = (tok, rows < N, rows, noise, rows.new_zeros(B, L), qpos, qlen)  # tool queues empty
-    d = batch(model, d, cache, group, state, static)                   # the B-row batch
-    record(d, logits[group])                                           # 3-4. token 0
+    state = (tok, rows < N, rows, noise[rows.clamp(max=N - 1)], rows.new_zeros(B, L), qpos, qlen)
+    d = batch(model, cache, group, state, rows.new_zeros(()), fixed, static)  # the B-row batch
+    session = tools.session(N) if tools is not None else None
+    record(d, logits[group])                                          # 3-4. token 0
     del cache, logits  # the prefill's cache: copied into the batch, not kept through decoding
-    step_fn = compiled_step(dev.type) if static else step
+    step_fn = compiled_step(dev.type) if static else decode.step
     batch_at_compaction = N
     for t in range(1, L):
         if session is not None:  # a row that has just closed a call: its result queued (tooluse)
@@ -297,7 +334,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
             if static and n_live <= B // 2 and B > MIN_BUCKET:  # a half-size (or smaller) batch
                 while B // 2 >= max(n_live, MIN_BUCKET):
                     B //= 2
-            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # the live rows exactly
+            elif not static and n_live <= COMPACT_AT * batch_at_compaction:  # the live rows
                 B = batch_at_compaction = n_live
             if B < len(d.tok):  # 5. drop finished rows; a static batch pads with not-live copies
                 keep = d.live.nonzero()[:, 0]                                          # [n_live]
@@ -305,19 +342,16 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
                 pad = torch.arange(B, device=dev) >= n_live                            # [B]
                 state = (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
                          d.noise[sel, :L], d.queue[sel, :L], d.qpos[sel], d.qlen[sel])
-                d = batch(model, d, d.cache, sel, state, static)
+                d = batch(model, d.cache, sel, state, d.t, fixed, static)
         if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
             d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
         step_fn(model, d)                                                             # 3-4. token t
-    ids, lp, mask, policy = (x[:N, :L] for x in (out.ids, out.logprobs, out.mask, out.policy))
-    lengths = mask.sum(1)
-    n = int(lengths.max())  # the longest row: the steps that produced a token
-    nonfinite = out.nonfinite[:N] > 0
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token
-    calls, errors = session.counts(dev) if session else (torch.zeros_like(lengths),) * 2
-    return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), lp[:, :n].clone(), live | nonfinite,
-                   lengths, seeds, nonfinite, policy[:, :n].clone(), calls, errors)
+    nonfinite = out.nonfinite[:N] > 0
+    calls, errors = session.counts(dev) if session else (None, None)
+    return finish(out.ids[:N], out.mask[:N], out.logprobs[:N], live | nonfinite, seeds, nonfinite,
+                  out.policy[:N], calls, errors)
 
 
 def main():

@@ -1,34 +1,43 @@
-"""Problems for reasoning RL: synthetic generators, JSONL loaders for GSM8K / MATH, the Task a run draws from.
+"""Problems for reasoning RL: synthetic generators, JSONL loaders for GSM8K / MATH, the Task a run
+draws from.
 
-1. arithmetic(seed, index): a chain like "8-18*3+13=" in a small synthetic language evaluated STRICTLY LEFT TO
-   RIGHT, one binary step at a time (not school precedence: 8-18*3 means (8-18)*3). + and - take operands in
-   0..max_operand, * only takes 0..max_mul_operand. level = number of operations, drawn in [min_ops, max_ops].
+1. arithmetic(seed, index): a chain like "8-18*3+13=" in a small synthetic language evaluated
+   STRICTLY LEFT TO RIGHT, one binary step at a time (not school precedence: 8-18*3 means (8-18)*3).
+   + and - take operands in 0..max_operand, * only takes 0..max_mul_operand. level = number of
+   operations, drawn in [min_ops, max_ops].
    prompt "8-18+13="   solution "8-18=-10;-10+13=3 #### 3"   gold "3"
-   Every step is "a op b=c", so verify.step_rewards can check it and verify.reward(solution, gold) == 1.0.
-2. countdown(seed, index): reach a target with the given numbers, each used at most once, and + - * /.
-   prompt "3 7 25>46=" (the numbers sorted, ">", the target, "="); solution an expression that uses every
-   number once with standard precedence, e.g. "7*3+25"; gold the target "46". The target is reachable by
-   construction: it is the value of a random expression over the numbers (retried until a positive integer).
-   countdown_check parses an expression with verify.eval_arith (exact Fractions, no eval).
+   Every step is "a op b=c", so verify.step_rewards can check it and
+   verify.reward(solution, gold) == 1.0.
+2. countdown(seed, index): reach a target with the given numbers, each used at most once, and
+   + - * /. prompt "3 7 25>46=" (the numbers sorted, ">", the target, "="); solution an expression
+   that uses every number once with standard precedence, e.g. "7*3+25"; gold the target "46". The
+   target is reachable by construction: it is the value of a random expression over the numbers
+   (retried until a positive integer). countdown_check parses an expression with verify.eval_arith
+   (exact Fractions, no eval).
 3. Determinism: problem (seed, index) comes from its own random.Random seeded with the string
-   "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so problem i never
-   depends on the draws of other problems. A held-out set is one seed with indices 0..n-1; train on another.
-4. load_gsm8k / load_math read JSONL files; Task.prompt_text wraps a question in a template (templates.py): plain,
-   r1, boxed, or the checkpoint's chat template rendered as transformers' apply_chat_template does.
-5. reasoning_gym (pip install reasoning-gym): ONE dataset of rg_size items from eval_seed (rg_datasets: {name:
-   options}, several names a CompositeDataset by their `weight`), split by index: items [0, rg_heldout) are the
-   held-out pool, the rest, less any question the pool holds, the training set (its items come from Random(seed +
-   idx): datasets of adjacent seeds overlap, so none is built twice). The reward is the dataset's own score_answer of
-   the FINAL committed answer (verify.extract_answer), binarised (>= 1: 1, else 0): its partial credit for
-   substrings, gsm_symbolic's first number and countdown's 0.01 / 0.05 floors pay nothing. committed_number: the
+   "task:seed:index" (random hashes str seeds with SHA-512, independent of PYTHONHASHSEED), so
+   problem i never depends on the draws of other problems. A held-out set is one seed with indices
+   0..n-1; train on another.
+4. load_gsm8k / load_math read JSONL files; Task.prompt_text wraps a question in a template
+   (templates.py): plain, r1, boxed, or the checkpoint's chat template rendered as transformers'
+   apply_chat_template does.
+5. reasoning_gym (pip install reasoning-gym): ONE dataset of rg_size items from eval_seed
+   (rg_datasets: {name: options}, several names a CompositeDataset by their `weight`), split by
+   index: items [0, rg_heldout) are the held-out pool, the rest, less any question the pool holds,
+   the training set (its items come from Random(seed + idx): datasets of adjacent seeds overlap, so
+   none is built twice). The reward is the dataset's own score_answer of the FINAL committed answer
+   (verify.extract_answer), binarised (>= 1: 1, else 0): its partial credit for substrings,
+   gsm_symbolic's first number and countdown's 0.01 / 0.05 floors pay nothing. committed_number: the
    format-only control's reward (1 for any final answer that is a number, right or wrong).
-6. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for training), its
-   prompts as token ids, its cold-start targets and the verifier's score of a completion. seed_of(*keys) hashes
-   integers into a seed that is the same on any number of ranks.
+6. Task: a run's problems by index (the SFT and RL streams, the held-out set, never drawn for
+   training), its prompts as token ids, its cold-start targets and the verifier's score of a
+   completion. seed_of(*keys) hashes integers into a seed that is the same on any number of ranks.
 
 Tests: python -m pytest -q tests/test_tasks.py
 """
+import functools
 import json
+import operator
 import random
 import re
 from dataclasses import dataclass
@@ -37,58 +46,58 @@ from fractions import Fraction
 import tooluse
 import verify
 from cli import UserError
-from templates import chat_template, render_prompt
+from templates import TEMPLATES, chat_template
 from verify import MAX_EXPR, eval_arith, extract_answer
 
-CHARS = "0123456789+-*/()=;#> "  # every character a synthetic prompt or solution can hold: a char-level vocabulary
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}  # arithmetic's binary steps
+# every character a synthetic prompt or solution can hold: a char-level vocabulary
+CHARS = "0123456789+-*/()=;#> "
 
 
 @dataclass
 class Problem:
     prompt: str  # the question text, untemplated
     gold: str  # the gold final answer
-    solution: str  # a worked completion for a supervised cold start, in a format verify.extract_answer reads
+    solution: str  # a worked completion for a cold start, in a format extract_answer reads
     level: int = 0  # difficulty (number of operations); 0 when unknown
-    source: str = ""  # a composite reasoning-gym dataset's member the problem comes from (evaluation rows)
+    source: str = ""  # the composite reasoning-gym member it comes from (evaluation rows)
     entry: dict | None = None  # reasoning_gym: the dataset's item, which its score_answer reads
 
 
 def arithmetic(seed: int, index: int, min_ops: int = 1, max_ops: int = 3, max_operand: int = 30,
                max_mul_operand: int = 9, max_value: int = 0, ops: str = "+-*") -> Problem:
-    """A left-to-right arithmetic chain with a step-by-step solution (see step 1 of the module docstring).
-    max_value > 0 keeps every intermediate result within ±max_value (an op is re-drawn, up to 20 times)."""
+    """A left-to-right arithmetic chain with a step-by-step solution (see step 1 of the module
+    docstring). max_value > 0 keeps every intermediate result within ±max_value (an op is re-drawn,
+    up to 20 times)."""
     rng = random.Random(f"arithmetic:{seed}:{index}")
-    n_ops = rng.randint(min_ops, max_ops)
-    value = rng.randint(0, max_operand)
+    n_ops, value = rng.randint(min_ops, max_ops), rng.randint(0, max_operand)  # in this order
     prompt, steps = str(value), []
     for _ in range(n_ops):
         for _ in range(20):
             op = rng.choice(ops)
             b = rng.randint(0, max_mul_operand if op == "*" else max_operand)
-            new = _apply(value, op, b)
+            new = OPS[op](value, b)
             if not max_value or abs(new) <= max_value:
                 break
         steps.append(f"{value}{op}{b}={new}")
         prompt, value = prompt + f"{op}{b}", new
-    return Problem(prompt=prompt + "=", gold=str(value), solution=";".join(steps) + f" #### {value}", level=n_ops)
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b if op == "-" else a * b
+    solution = ";".join(steps) + f" #### {value}"
+    return Problem(prompt=prompt + "=", gold=str(value), solution=solution, level=n_ops)
 
 
 FLAWS = ("random", "sign")
 
 
 def flawed_solution(p: Problem, flaw: str, rng: random.Random) -> str:
-    """A sloppy teacher's worked solution of an arithmetic chain, each error carried on to the final answer as a
-    careless solver would: random, one step (drawn by rng) off by ±1..3, a slip; sign, every negative result
-    written without its minus sign ("3-7=4"), a consistent misconception. Chains without a negative result stay
-    right under sign."""
+    """A sloppy teacher's worked solution of an arithmetic chain, each error carried on to the final
+    answer as a careless solver would: random, one step (drawn by rng) off by ±1..3, a slip; sign,
+    every negative result written without its minus sign ("3-7=4"), a consistent misconception.
+    Chains without a negative result stay right under sign."""
     nums, ops = [int(n) for n in re.findall(r"\d+", p.prompt)], re.findall(r"[-+*]", p.prompt)
-    value, steps, slip, offset = nums[0], [], rng.randrange(len(ops)), rng.choice((-3, -2, -1, 1, 2, 3))
+    value, steps = nums[0], []
+    slip, offset = rng.randrange(len(ops)), rng.choice((-3, -2, -1, 1, 2, 3))
     for i, (op, b) in enumerate(zip(ops, nums[1:])):
-        new = _apply(value, op, b)
+        new = OPS[op](value, b)
         new = abs(new) if flaw == "sign" else new + offset * (i == slip)
         steps.append(f"{value}{op}{b}={new}")
         value = new
@@ -96,17 +105,19 @@ def flawed_solution(p: Problem, flaw: str, rng: random.Random) -> str:
 
 
 def countdown(seed: int, index: int, n_numbers: int = 3, max_number: int = 25) -> Problem:
-    """Reach a target from n_numbers numbers in 1..max_number (see step 2 of the module docstring)."""
+    """Reach a target from n_numbers numbers in 1..max_number (see step 2 of the module
+    docstring)."""
     rng = random.Random(f"countdown:{seed}:{index}")
-    for tries in range(101):  # most random expressions already give a positive integer; try 100 surely does
+    # most random expressions already give a positive integer; try 100 (a sum) surely does
+    for tries in range(101):
         numbers = [rng.randint(1, max_number) for _ in range(n_numbers)]
         expr, value, last = str(numbers[0]), Fraction(numbers[0]), ""
         for n in numbers[1:]:
-            op = rng.choice("+-*/" if tries < 100 else "+")  # a sum of positive numbers always works
+            op = rng.choice("+-*/" if tries < 100 else "+")  # a sum of positive numbers works
             if op in "*/" and last in ("+", "-"):
-                expr = f"({expr})"  # the left operand is a sum: keep it together under standard precedence
+                expr = f"({expr})"  # the left operand is a sum: keep it together
             expr, last = f"{expr}{op}{n}", op
-            value = value + n if op == "+" else value - n if op == "-" else value * n if op == "*" else value / n
+            value = OPS[op](value, n) if op in OPS else value / n
         if value.denominator == 1 and value > 0:
             break
     prompt = " ".join(map(str, sorted(numbers))) + f">{value}="
@@ -114,9 +125,12 @@ def countdown(seed: int, index: int, n_numbers: int = 3, max_number: int = 25) -
 
 
 def countdown_check(expr: str, numbers: list[int], target: int) -> bool:
-    """True iff expr (integers, + - * /, parentheses) uses only the given numbers, each at most once, and
-    evaluates exactly to target. Division by zero, unary signs and over-long expressions are False."""
-    if len(expr) > MAX_EXPR or not re.fullmatch(r"[0-9+\-*/() ]+", expr) or re.search(r"(^|[-+*/(])\s*[-+]", expr):
+    """True iff expr (integers, + - * /, parentheses) uses only the given numbers, each at most
+    once, and evaluates exactly to target. Division by zero, unary signs and over-long expressions
+    are False."""
+    if len(expr) > MAX_EXPR or not re.fullmatch(r"[0-9+\-*/() ]+", expr):
+        return False
+    if re.search(r"(^|[-+*/(])\s*[-+]", expr):  # a unary sign
         return False
     pool = list(numbers)
     for n in map(int, re.findall(r"[0-9]+", expr)):
@@ -128,9 +142,9 @@ def countdown_check(expr: str, numbers: list[int], target: int) -> bool:
 
 
 def countdown_reward(completion: str, problem: Problem) -> float:
-    """1.0 iff the completion's expression solves the countdown problem. The expression is the extracted
-    answer (<answer>, \\boxed{}, ...) or else the completion's first line up to any "<" (an EOS string like
-    <|endoftext|>); a trailing "=target" is allowed."""
+    """1.0 iff the completion's expression solves the countdown problem. The expression is the
+    extracted answer (<answer>, \\boxed{}, ...) or else the completion's first line up to any "<"
+    (an EOS string like <|endoftext|>); a trailing "=target" is allowed."""
     m = re.fullmatch(r"([0-9 ]+)>([0-9]+)=", problem.prompt)
     if m is None:
         raise ValueError(f"not a countdown prompt: {problem.prompt!r}")
@@ -141,8 +155,8 @@ def countdown_reward(completion: str, problem: Problem) -> float:
 
 
 def _read_jsonl(path, keys: tuple[str, ...]):
-    """Yield (where, record) per non-empty line; UserError (a ValueError) naming file:line for bad JSON or a
-    missing key."""
+    """Yield (where, record) per non-empty line; UserError (a ValueError) naming file:line for bad
+    JSON or a missing key."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -160,7 +174,8 @@ def _read_jsonl(path, keys: tuple[str, ...]):
 
 
 def load_gsm8k(path) -> list[Problem]:
-    """GSM8K JSONL: "question", and "answer" whose last line is "#### N"; gold is N with commas stripped."""
+    """GSM8K JSONL: "question", and "answer" whose last line is "#### N"; gold is N with commas
+    stripped."""
     problems = []
     for where, r in _read_jsonl(path, ("question", "answer")):
         i = r["answer"].rfind("####")
@@ -172,7 +187,8 @@ def load_gsm8k(path) -> list[Problem]:
 
 
 def load_math(path) -> list[Problem]:
-    """MATH JSONL: "problem", "solution" with a \\boxed{} answer (the gold), optional "level" like "Level 3"."""
+    """MATH JSONL: "problem", "solution" with a \\boxed{} answer (the gold), optional "level" like
+    "Level 3"."""
     problems = []
     for where, r in _read_jsonl(path, ("problem", "solution")):
         gold = extract_answer(r["solution"])
@@ -185,16 +201,17 @@ def load_math(path) -> list[Problem]:
 
 
 def reasoning_gym_dataset(specs: dict, seed: int, size: int):
-    """The reasoning-gym dataset of `size` items from `seed`: specs {name: {option: value}} with one name, or a
-    CompositeDataset of several, each drawn by its table's `weight` (default 1)."""
+    """The reasoning-gym dataset of `size` items from `seed`: specs {name: {option: value}} with one
+    name, or a CompositeDataset of several, each drawn by its table's `weight` (default 1)."""
     try:
         import reasoning_gym
         from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
     except ImportError:
-        raise UserError("task = 'reasoning_gym' needs reasoning-gym: pip install reasoning-gym") from None
+        raise UserError("task = 'reasoning_gym' needs reasoning-gym: "
+                        "pip install reasoning-gym") from None
     if bad := [n for n, o in specs.items() if not isinstance(o, dict) or {"seed", "size"} & set(o)]:
-        raise UserError(f"rg_datasets: {bad[0]!r} needs a table of its options, without seed and size (eval_seed "
-                        f"and rg_size set them), got {specs[bad[0]]!r}")
+        raise UserError(f"rg_datasets: {bad[0]!r} needs a table of its options, without seed and "
+                        f"size (eval_seed and rg_size set them), got {specs[bad[0]]!r}")
     opts = {n: {k: v for k, v in o.items() if k != "weight"} for n, o in specs.items()}
     try:  # a bad name or option is the user's: reasoning-gym says which
         if len(specs) == 1:
@@ -212,22 +229,31 @@ def rg_problem(item: dict, composite: bool) -> Problem:
 
 
 def rg_reward(dataset, completion: str, p: Problem) -> float:
-    """1.0 iff the dataset's score_answer gives the final committed answer full marks (step 5 of the docstring)."""
+    """1.0 iff the dataset's score_answer gives the final committed answer full marks (step 5 of the
+    docstring)."""
     answer = extract_answer(completion)
     try:
         return float(answer is not None and dataset.score_answer(answer, p.entry) >= 1)
-    except Exception:  # a scorer that trips over a model's odd answer (its own parsing) scores it 0, as a wrong one
+    # a scorer that trips over a model's odd answer (its own parsing) scores it 0, as a wrong one
+    except Exception:
         return 0.0
 
 
+def verified(completion: str, p: Problem) -> float:
+    """verify.reward of the completion against the problem's gold answer."""
+    return verify.reward(completion, p.gold)
+
+
 def committed_number(completion: str) -> float:
-    """1.0 iff the completion's final committed answer is a number, right or wrong: the format-only control."""
+    """1.0 iff the completion's final committed answer is a number, right or wrong: the format-only
+    control."""
     answer = extract_answer(completion)
     return float(answer is not None and re.fullmatch(r"-?\d[\d,]*(\.\d+)?", answer) is not None)
 
 
 def seed_of(*keys) -> int:
-    """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any rank count."""
+    """A 63-bit seed from integers, e.g. (seed, step, prompt index, sample index): the same on any
+    rank count."""
     h = 0x9E3779B97F4A7C15
     for k in keys:  # splitmix64 over the keys
         h = (h ^ (k & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
@@ -236,114 +262,139 @@ def seed_of(*keys) -> int:
 
 
 class Task:
-    """Problems by index, prompts as token ids, cold-start targets, and the verifier's score of a completion.
-    cfg has train.Config's task fields; tok is a tokenizers.Tokenizer; stop_ids end a completion; tok_config (from
-    read_tokenizer_config) holds the chat template that template = "chat" renders."""
+    """Problems by index, prompts as token ids, cold-start targets, and the verifier's score of a
+    completion. cfg has train.Config's task fields; tok is a tokenizers.Tokenizer; stop_ids end a
+    completion; tok_config (from read_tokenizer_config) holds the chat template that template =
+    "chat" renders."""
 
     def __init__(self, cfg, tok, stop_ids: list[int], tok_config: dict | None = None):
-        self.cfg, self.tok, self.stop_ids, self.tok_config = cfg, tok, list(stop_ids), tok_config or {}
+        self.cfg, self.tok, self.stop_ids = cfg, tok, list(stop_ids)
+        self.tok_config = tok_config or {}
         if not self.stop_ids:
             raise ValueError("the tokenizer has no end-of-sequence token")
         if cfg.template == "chat" and not self.tok_config.get("chat_template"):
-            raise SystemExit(f"error: template = 'chat', but {self.tok_config.get('name_or_path', 'a fresh model')} has"
-                             " no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+            name = self.tok_config.get('name_or_path', 'a fresh model')
+            raise SystemExit(f"error: template = 'chat', but {name} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         if cfg.system_prompt and cfg.template != "chat":
-            raise SystemExit(f"error: system_prompt needs template = 'chat' (template is {cfg.template!r})")
-        self.end_id = self.end_of_turn() if cfg.template == "chat" else self.stop_ids[0]  # ends every SFT target
+            raise SystemExit("error: system_prompt needs template = 'chat' "
+                             f"(template is {cfg.template!r})")
+        # a plain template's text (None: the chat template's); chat text holds its special tokens
+        self.template, self.add_bos = TEMPLATES.get(cfg.template), cfg.template != "chat"
+        # the token that ends every SFT target
+        self.end_id = self.end_of_turn() if cfg.template == "chat" else self.stop_ids[0]
         self.stop_ids += [] if self.end_id in self.stop_ids else [self.end_id]
         if cfg.task in ("gsm8k", "math"):
             load = load_gsm8k if cfg.task == "gsm8k" else load_math
             self.train, self.heldout = load(cfg.train_file), load(cfg.eval_file)[:cfg.eval_n]
-        elif cfg.task == "reasoning_gym":  # one dataset split by index (step 5 of the module docstring)
+        elif cfg.task == "reasoning_gym":  # one dataset split by index (module docstring, 5)
             self.rg = reasoning_gym_dataset(cfg.rg_datasets, cfg.eval_seed, cfg.rg_size)
             items = [rg_problem(self.rg[i], len(cfg.rg_datasets) > 1) for i in range(cfg.rg_size)]
             pool = {p.prompt for p in items[:cfg.rg_heldout]}
             self.heldout = items[:cfg.eval_n]
             self.train = [p for p in items[cfg.rg_heldout:] if p.prompt not in pool]
             if not self.train:
-                raise UserError(f"rg_datasets: every item after the held-out pool repeats one of its questions: "
-                                f"raise rg_size = {cfg.rg_size} or use a task with more questions")
-        elif cfg.task in ("arithmetic", "countdown"):
-            self.heldout = [self.synthetic(cfg.eval_seed, i, cfg.eval_min_ops, cfg.eval_max_ops)
-                            for i in range(cfg.eval_n)]
+                raise UserError("rg_datasets: every item after the held-out pool repeats one of "
+                                f"its questions: raise rg_size = {cfg.rg_size} or use a task "
+                                "with more questions")
+        elif cfg.task in ("arithmetic", "countdown"):  # make(seed, index, min_ops, max_ops)
+            self.make = functools.partial(arithmetic, max_operand=cfg.max_operand, ops=cfg.ops,
+                                          max_mul_operand=cfg.max_mul_operand,
+                                          max_value=cfg.max_value)
+            if cfg.task == "countdown":
+                self.make = lambda seed, i, lo, hi: countdown(seed, i)
+            lo, hi = cfg.eval_min_ops, cfg.eval_max_ops
+            self.heldout = [self.make(cfg.eval_seed, i, lo, hi) for i in range(cfg.eval_n)]
+            # each stream's (seed, ops range)
+            self.streams = {"sft": (seed_of(cfg.seed, 1), cfg.sft_min_ops, cfg.sft_max_ops),
+                            "rl": (seed_of(cfg.seed, 0), cfg.rl_min_ops, cfg.rl_max_ops)}
         else:
-            raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k, math, reasoning_gym")
+            raise SystemExit(f"error: unknown task {cfg.task!r}; use arithmetic, countdown, gsm8k, "
+                             "math, reasoning_gym")
         self.heldout_prompts = {p.prompt for p in self.heldout}
         self.tools = tooluse.toolbox(cfg, tok, self.tok_config)  # None without tools
-
-    def synthetic(self, seed, i, lo, hi) -> Problem:
-        if self.cfg.task == "countdown":
-            return countdown(seed, i)
-        return arithmetic(seed, i, min_ops=lo, max_ops=hi, max_operand=self.cfg.max_operand,
-                          max_mul_operand=self.cfg.max_mul_operand, max_value=self.cfg.max_value,
-                          ops=self.cfg.ops)
+        # score(completion, problem) -> the verifier's 0/1: the task's own scorer, else verify.py's
+        self.score = functools.partial(rg_reward, self.rg) if cfg.task == "reasoning_gym" else \
+            countdown_reward if cfg.task == "countdown" else verified
 
     def problem(self, stage: str, k: int) -> tuple[int, Problem]:
-        """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts never appear."""
-        cfg = self.cfg
-        if cfg.task in ("gsm8k", "math", "reasoning_gym"):
+        """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts
+        never appear."""
+        if self.cfg.task in ("gsm8k", "math", "reasoning_gym"):
             epoch, j = divmod(k, len(self.train))
             order = list(range(len(self.train)))
-            random.Random(seed_of(cfg.seed, epoch)).shuffle(order)
+            random.Random(seed_of(self.cfg.seed, epoch)).shuffle(order)
             return order[j], self.train[order[j]]
-        lo, hi = (cfg.sft_min_ops, cfg.sft_max_ops) if stage == "sft" else (cfg.rl_min_ops, cfg.rl_max_ops)
-        seed = seed_of(cfg.seed, stage == "sft")
-        pid = k % cfg.train_size if cfg.train_size else k
-        p = self.synthetic(seed, pid, lo, hi)
-        # deterministic re-draws keep the held-out set unseen and, with sft_answer_filter, drop every
-        # demonstration whose final answer is wrong (answer-filtered SFT: the next problem takes its place)
-        while p.prompt in self.heldout_prompts or (stage == "sft" and cfg.sft_answer_filter and
-                                                   verify.reward(self.cold_start_target(k, p), p.gold) < 1):
+        seed, lo, hi = self.streams[stage]
+        pid = k % self.cfg.train_size if self.cfg.train_size else k
+        p = self.make(seed, pid, lo, hi)
+        # deterministic re-draws keep the held-out set unseen and, with sft_answer_filter, drop
+        # every demonstration whose final answer is wrong (answer-filtered SFT: the next problem
+        # takes its place)
+        while p.prompt in self.heldout_prompts or (stage == "sft" and self.filtered(k, p)):
             pid += 1 << 40
-            p = self.synthetic(seed, pid, lo, hi)
+            p = self.make(seed, pid, lo, hi)
         return pid, p
 
+    def filtered(self, k: int, p: Problem) -> bool:
+        """With sft_answer_filter, True iff the k-th cold-start target's final answer is wrong."""
+        if not self.cfg.sft_answer_filter:
+            return False
+        return verify.reward(self.cold_start_target(k, p), p.gold) < 1
+
     def cold_start_target(self, k: int, p: Problem) -> str:
-        """The k-th cold-start target: the worked solution, from the sloppy teacher (flawed_solution) in a seeded
-        sft_flaw_frac share, then (a seeded sft_direct_frac share) only its final answer."""
-        flaw = random.Random(f"flaw:{self.cfg.seed}:{k}:{p.prompt}")  # keyed by the prompt too: a re-draw re-rolls
-        flawed = self.cfg.task == "arithmetic" and flaw.random() < self.cfg.sft_flaw_frac  # the demo's teacher only
+        """The k-th cold-start target: the worked solution, from the sloppy teacher
+        (flawed_solution) in a seeded sft_flaw_frac share, then (a seeded sft_direct_frac share)
+        only its final answer."""
+        # keyed by the prompt too: a re-draw re-rolls; the sloppy teacher is the demo's only
+        flaw = random.Random(f"flaw:{self.cfg.seed}:{k}:{p.prompt}")
+        flawed = self.cfg.task == "arithmetic" and flaw.random() < self.cfg.sft_flaw_frac
         solution = flawed_solution(p, self.cfg.sft_flaw, flaw) if flawed else p.solution
         direct = random.Random(seed_of(self.cfg.seed, k, 7)).random() < self.cfg.sft_direct_frac
-        if self.tools and random.Random(seed_of(self.cfg.seed, k, 11)).random() < self.cfg.sft_tool_frac:
+        tool = random.Random(seed_of(self.cfg.seed, k, 11)).random() < self.cfg.sft_tool_frac
+        if self.tools and tool:
             return re.sub(r"(-?\d+[-+*]\d+)=(-?\d+)", r"[\1]{\2}", p.solution)  # each step a call
-        return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}" if direct else solution
+        if direct:
+            return f"#### {solution.rsplit('#### ', 1)[1] if flawed else p.gold}"
+        return solution
 
     def cold_start_batch(self, first: int, B: int) -> tuple[list, list, list]:
-        """Cold-start problems first..first + B - 1 (a GLOBAL batch) -> (problems, prompt ids, target ids)."""
+        """Cold-start problems first..first + B - 1 (a GLOBAL batch) -> (problems, prompt ids,
+        target ids)."""
         ks = range(first, first + B)
         probs = [self.problem("sft", k)[1] for k in ks]
         targets = [self.target_ids(self.cold_start_target(k, p)) for k, p in zip(ks, probs)]
         return probs, [self.prompt_ids(p) for p in probs], targets
 
     def chat(self, question: str, answer: str = "") -> str:
-        """The chat template's text of system_prompt (if set), the question, then the generation prompt or `answer`."""
+        """The chat template's text of system_prompt (if set), the question, then the generation
+        prompt or `answer`."""
         turns = [("system", self.cfg.system_prompt), ("user", question), ("assistant", answer)]
         return chat_template(self.tok_config["chat_template"]).render(
-            messages=[{"role": r, "content": c} for r, c in turns if c or r == "user"], tools=None, documents=None,
-            add_generation_prompt=not answer, **self.tok_config["special_tokens"])
+            messages=[{"role": r, "content": c} for r, c in turns if c or r == "user"],
+            tools=None, documents=None, add_generation_prompt=not answer,
+            **self.tok_config["special_tokens"])
 
     def end_of_turn(self) -> int:
-        """The token ending an assistant turn in the chat template: the first stop id (else special token) after it."""
-        _, mark, after = self.chat("1+1?", "THE_ANSWER").rpartition("THE_ANSWER")  # a template may not show it
+        """The token ending an assistant turn in the chat template: the first stop id (else special
+        token) after it."""
+        # a template may not show the answer
+        _, mark, after = self.chat("1+1?", "THE_ANSWER").rpartition("THE_ANSWER")
         ids = self.tok.encode(after, add_special_tokens=False).ids if mark else []
         special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
-        return next((i for i in ids if i in self.stop_ids), next((i for i in ids if i in special), self.stop_ids[0]))
+        fallback = next((i for i in ids if i in special), self.stop_ids[0])
+        return next((i for i in ids if i in self.stop_ids), fallback)
 
     def prompt_text(self, p: Problem) -> str:  # exactly what prompt_ids tokenizes
-        return self.chat(p.prompt) if self.cfg.template == "chat" else render_prompt(p.prompt, self.cfg.template)
+        return self.template.format(question=p.prompt) if self.template else self.chat(p.prompt)
 
-    def prompt_ids(self, p: Problem) -> list[int]:  # chat text holds its special tokens: add none (no double BOS)
-        return self.tok.encode(self.prompt_text(p), add_special_tokens=self.cfg.template != "chat").ids
+    def prompt_ids(self, p: Problem) -> list[int]:
+        return self.tok.encode(self.prompt_text(p), add_special_tokens=self.add_bos).ids
 
     def target_ids(self, text: str) -> list[int]:
-        """A supervised completion: its ids and the token that ends it (the chat template's end of turn)."""
+        """A supervised completion: its ids and the token that ends it (the chat template's end of
+        turn)."""
         return self.tok.encode(text, add_special_tokens=False).ids + [self.end_id]
 
     def text(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
-
-    def score(self, text: str, p: Problem) -> float:
-        if self.cfg.task == "reasoning_gym":
-            return rg_reward(self.rg, text, p)
-        return countdown_reward(text, p) if self.cfg.task == "countdown" else verify.reward(text, p.gold)

@@ -3,26 +3,25 @@ supervised cold start.
 
 One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's dynamic sampling):
   1. draw P prompts q; sample G completions o_1..o_G ~ π_θ(·|q) each (sample_groups);
-  2. reward r_i = accuracy (verify.py) + format weight + DAPO overlong shaping (shaped_rewards);
-     DAPO dynamic sampling drops groups with zero reward spread and draws more prompts until P
-     informative groups are held (dynamic_sampling);
-  3. this rank's rows (rank_batch) and their advantages Â_i over the global batch
-     (batch_advantages, credit.group_advantages); π_old = the policy before this step's update;
-  4. μ inner epochs over micro-batches sized by a token budget: log π_θ (policy_logprobs), the
-     token advantages and weights, loss = grpo.policy_loss(log π_θ, log π_old, Â, mask, ...)
-     normalised by the GLOBAL token / sequence count, so any rank or micro-batch split gives the
-     same gradient; backward; clip the gradient norm; AdamW (optimizer_step); warmup + cosine.
-Each option (KL in the reward, distillation, TIS, top-entropy, Clip-/KL-Cov) is a named helper
-to skip. SFT (DeepSeek-R1's cold start): sft_update. The Config: config.py; processes, FSDP2,
-checkpoints: infra.py; the sampler: rollout.py; sampler ranks (sampler_ranks): async_rl.py.
+  2. reward r_i = the verifier's score (Task.score), plus a format weight and DAPO's overlong
+     shaping where set (shaped_rewards); DAPO's dynamic sampling drops groups with zero reward
+     spread and draws more prompts until P informative groups are held (dynamic_sampling);
+  3. this rank's rows, their loss mask, the loss's GLOBAL normaliser and the micro-batches
+     (rank_batch); Â_i over the global batch (credit.group_advantages);
+  4. μ optimizer steps, each a pass over the micro-batches: log π_θ (completion_logprobs), π_old
+     = π_θ of the first pass, loss = grpo.policy_loss divided by the global token count, so any
+     rank or micro-batch split gives the same gradient; backward; clip the gradient norm; AdamW
+     (optimizer_step); warmup + cosine.
+Each option is one guarded line in rl_step (β·KL to π_ref; objective.Options for KL in the
+reward, distillation, TIS, top-entropy, Clip-/KL-Cov, process rewards). SFT (DeepSeek-R1's cold
+start): sft_update. The Config: config.py; processes, FSDP2, checkpoints: infra.py; the sampler:
+rollout.py; sampler ranks (sampler_ranks): async_rl.py.
 
   python train.py                                        # the CPU demo: SFT, then DAPO
   python train.py --help                                 # every setting, its default and source
   python train.py --config configs/smoke.toml --rl_steps=8
   torchrun --standalone --nproc_per_node=8 train.py --config configs/qwen2.5-0.5b-gsm8k.toml"""
-import bisect
 import dataclasses
-import itertools
 import math
 import os
 import sys
@@ -42,8 +41,8 @@ import guard
 import infra
 import lora
 from config import Config, parse_args
-# the printed formula, and the whole-batch passes some options need before the first update
-from objective import cov_picks, objective, whole_batch_pass
+# the printed formula; what options beyond the default path add to a step
+from objective import Options, objective
 import tasks
 import templates
 import tooluse
@@ -64,6 +63,27 @@ class Run:
     sampler: Transformer | None = None  # the policy's weights outside FSDP, for generate
     teacher: Transformer | None = None  # π_T, frozen and unsharded (on-policy distillation only)
     link: async_rl.Link | None = None   # sampler_ranks > 0: this side of the rollout channel
+    # derived once from the above (__post_init__)
+    static: bool | None = field(init=False)  # generate's compiled step (None: the device's default)
+    sharded: bool = field(init=False)        # FSDP2 wraps the policy (several ranks, or CUDA)
+    loss_kw: dict = field(init=False)        # grpo.policy_loss's settings from the Config
+    options: bool = field(init=False)        # an option beyond the default step is on (Options)
+    shaped: bool = field(init=False)         # rewards beyond the verifier's score (shaped_rewards)
+    sampling: tuple = field(init=False)      # (temperature, top_k, top_p): π as sampled and scored
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.static, self.sharded = infra.compiled_sampling(cfg), hasattr(self.model, "reshard")
+        self.loss_kw = dict(pg_loss=cfg.pg_loss, ratio_level=cfg.ratio_level, eps_low=cfg.eps_low,
+                            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tau_pos=cfg.tau_pos,
+                            tau_neg=cfg.tau_neg, kl_estimator=cfg.kl_estimator,
+                            kl_old=cfg.kl_old, agg=cfg.agg, max_len=cfg.max_new_tokens,
+                            beta=cfg.beta if cfg.kl_in == "loss" else 0.0)  # β·KL to π_ref
+        self.sampling = (cfg.temperature, cfg.top_k, cfg.top_p)
+        self.shaped = cfg.reward == "format_only" or bool(cfg.format_weight or cfg.overlong_buffer)
+        self.options = (cfg.top_entropy_q < 1 or cfg.cov != "none" or cfg.tis != "none"
+                        or bool(cfg.teacher) or cfg.kl_in == "reward" or cfg.reward != "outcome"
+                        or cfg.adv_scale == "reinforce_pp")
 
 
 @dataclass
@@ -139,39 +159,76 @@ def make_optimizer(run: Run, lr: float, total: int):
 
 # ===================================================================================== 1. sampling
 def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, temperature: float,
-                  seed_keys, max_new_tokens: int, first: int = 0, model=None) -> list[Group]:
-    """G scored completions of each problem by `model` (default: the policy), all groups on every
-    rank in `problems` order; rank r samples r, r + world, ..., seeds (seed_keys, first + j, g)."""
-    cfg, proc = run.cfg, run.proc
-    mine = list(range(proc.rank, len(problems), proc.world))
-    prompts = [run.task.prompt_ids(problems[j][1]) for j in mine]
-    seeds = torch.tensor([tasks.seed_of(*seed_keys, first + j, g) for j in mine for g in range(G)])
-    model = infra.sampling(run.sampler, run.model) if model is None else model  # all ranks gather
-    groups = []
-    if mine:
-        ro = generate(model, prompts, G, max_new_tokens, temperature=temperature, top_k=cfg.top_k,
-                      top_p=cfg.top_p, stop_ids=run.task.stop_ids, seed=seeds,
-                      static=infra.compiled_sampling(cfg), tools=run.task.tools)
-        ids, mask, logp = ro.completion_ids.cpu(), ro.completion_mask.cpu(), ro.logprobs.cpu()
-        truncated, nonfinite, policy = ro.truncated.cpu(), ro.nonfinite.cpu(), ro.policy_mask.cpu()
-        calls = torch.stack((ro.tool_calls, ro.tool_errors), 1).tolist() if run.task.tools else []
-    for a, j in enumerate(mine):
-        rows = range(a * G, (a + 1) * G)
-        comps = [ids[r][mask[r]].tolist() for r in rows]
-        texts = [run.task.text(c) for c in comps]
-        groups.append(Group(j, *problems[j], prompts[a], comps, texts,
-                            [logp[r][mask[r]] for r in rows], truncated[rows].tolist(),
-                            [run.task.score(t, problems[j][1]) for t in texts],
-                            nonfinite=int(nonfinite[rows].sum()),
-                            policy=[policy[r][mask[r]].tolist() for r in rows],
-                            tools=calls[a * G:(a + 1) * G]))
+                  keys: tuple, first: int = 0, model=None) -> list[Group]:
+    """G scored completions of each (problem id, problem) by `model` (default: the policy), every
+    group on every rank, in `problems` order: rank r samples problems r, r + world, ..., sample g
+    of problem j seeded by (*keys, first + j, g), so any rank count draws the same tokens."""
+    task, cfg, mine = run.task, run.cfg, range(run.proc.rank, len(problems), run.proc.world)
+    if model is None:  # the policy; where FSDP shards it, its plain copy, gathered if stale
+        model = run.model if run.sampler is None else infra.sampling(run.sampler, run.model)
+    prompts, groups = [task.prompt_ids(problems[j][1]) for j in mine], []
+    if prompts:
+        seeds = torch.tensor([tasks.seed_of(*keys, first + j, g) for j in mine for g in range(G)])
+        ro = generate(model, prompts, G, cfg.max_new_tokens, temperature, cfg.top_k, cfg.top_p,
+                      task.stop_ids, seeds, static=run.static, tools=task.tools)
+        mask, ids, logp = ro.completion_mask.cpu(), ro.completion_ids.cpu(), ro.logprobs.cpu()
+        comps, lps = [x[m].tolist() for x, m in zip(ids, mask)], [x[m] for x, m in zip(logp, mask)]
+        texts = task.tok.decode_batch(comps, skip_special_tokens=True)
+    for a, j in enumerate(mine):  # prompt j's G rows: a·G, ..., a·G + G − 1
+        (pid, p), rows = problems[j], slice(a * G, (a + 1) * G)
+        scores = [task.score(t, p) for t in texts[rows]]  # r_i: the verifier's; shaped later
+        groups.append(Group(
+            pos=j, pid=pid, problem=p, prompt=prompts[a], comps=comps[rows], texts=texts[rows],
+            logprobs=lps[rows], truncated=ro.truncated[rows].tolist(), scores=scores,
+            rewards=list(scores), nonfinite=int(ro.nonfinite[rows].sum())))
+    if task.tools and groups:  # each sample's policy mask, calls and errors (tooluse.py)
+        tooluse.add_to_groups(groups, ro, G)
     return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
 
 
 # ============================================================================ 2. rewards, filtering
+def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
+    """Steps 1-2: P groups of G samples and their rewards. DAPO §3.2: a group whose rewards are
+    all equal has Â = 0 and teaches nothing; dynamic sampling drops it and samples more prompts,
+    until P groups are kept or max_sample_tries run out. A refill draws enough for the keep rate
+    so far."""
+    cfg, P, G, t0 = run.cfg, run.cfg.prompts_per_step, run.cfg.group_size, time.time()
+    kept, seen, n, skipped = [], [], P, 0
+    for tries in range(cfg.max_sample_tries if cfg.dynamic_sampling else 1):
+        if cfg.skip_saturated_k:  # prompts saturated on their last k visits are skipped
+            problems, n_skipped = draw_unsaturated(run.task, state, n, cfg.skip_saturated_k,
+                                                   100 * P - skipped)
+            skipped += n_skipped
+        else:
+            problems = [run.task.problem("rl", state.rl_cursor + i) for i in range(n)]
+            state.rl_cursor += n
+        groups = sample_groups(run, problems, G, cfg.temperature, (cfg.seed, step, tries))
+        if run.shaped:  # r_i beyond the verifier's score: format, length, the format-only control
+            for g in groups:
+                g.rewards = shaped_rewards(cfg, g)
+        if cfg.skip_saturated_k:
+            remember_saturated(state, groups, cfg.skip_saturated_k)
+        spread = [True] * n if not cfg.dynamic_sampling else credit.keep_groups(
+            torch.tensor([r for g in groups for r in g.rewards]), G).tolist()  # rewards differ
+        kept, seen = kept + [g for g, s in zip(groups, spread) if s], seen + groups
+        if len(kept) >= P:
+            break
+        n = min(4 * P, math.ceil((P - len(kept)) / max(len(kept) / len(seen), 0.25)))
+    samples, seconds = G * len(seen), time.time() - t0
+    stats = {"train/reward": sum(sum(g.rewards) for g in seen) / samples,
+             "train/accuracy": sum(sum(g.scores) for g in seen) / samples,
+             "train/kept_groups_frac": len(kept) / len(seen), "train/sample_tries": tries + 1,
+             "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
+             "train/skip_rate": skipped / (len(seen) + skipped),
+             "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
+             "train/nonfinite_rows": sum(g.nonfinite for g in seen), "time/rollout_s": seconds,
+             "time/sample_tok_per_s": sum(len(c) for g in kept[:P] for c in g.comps) / seconds}
+    return kept[:P], {**stats, **(tooluse.metrics(seen, "train/") if run.task.tools else {})}
+
+
 def shaped_rewards(cfg: Config, g: Group) -> list[float]:
     """r_i = accuracy + format weight · format reward + DAPO soft overlong punishment (eq. 13);
-    reward = "format_only": 1 for any committed number in place of accuracy (g.scores stay it)."""
+    reward = "format_only" (the control): 1 for any committed number in place of accuracy."""
     lengths = torch.tensor([len(c) for c in g.comps])  # all tokens (a tool's too)
     penalty = torch.zeros(len(g.comps))  # + 0.0 and + 0 · f leave a reward bit-exact
     if cfg.overlong_buffer:
@@ -189,85 +246,81 @@ def outcome_rewards(cfg: Config, texts: list[str], scores: list[float]) -> list[
     return scores
 
 
-def draw_problems(run: Run, state: TrainState, n: int, may_skip: int) -> tuple[list, int, int]:
-    """The next n problems of the RL stream -> (problems, drawn, skipped), skipping at most
-    may_skip prompts saturated (all right or all wrong) on their last skip_saturated_k visits."""
-    k, problems, drawn, skipped = run.cfg.skip_saturated_k, [], 0, 0
+def draw_unsaturated(task: tasks.Task, state: TrainState, n: int, k: int,
+                     may_skip: int) -> tuple[list, int]:
+    """The next n problems of the RL stream that were not saturated (all right or all wrong) on
+    each of their last k visits -> (problems, skipped), skipping at most may_skip."""
+    problems, skipped = [], 0
     while len(problems) < n:
-        pid, p = run.task.problem("rl", state.rl_cursor)
-        state.rl_cursor, drawn = state.rl_cursor + 1, drawn + 1
+        pid, p = task.problem("rl", state.rl_cursor)
+        state.rl_cursor += 1
         history = state.pass_history.get(pid, [])
-        if k and len(history) >= k and all(history[-k:]):
+        if len(history) >= k and all(history[-k:]):
             skipped += 1
             if skipped > may_skip:
                 raise RuntimeError("every training prompt is saturated: the pass-rate memory "
                                    "skips them all")
             continue
         problems.append((pid, p))
-    return problems, drawn, skipped
+    return problems, skipped
 
 
-def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
-    """DAPO §3.2: sample groups until P have reward spread > 0 (or max_sample_tries run out);
-    without it, the first P groups. Each refill draws enough prompts for the keep rate so far."""
-    cfg, P, G, k = run.cfg, run.cfg.prompts_per_step, run.cfg.group_size, run.cfg.skip_saturated_k
-    kept, seen, drawn, skipped, keep_rate = [], [], 0, 0, 1.0
-    for tries in range(cfg.max_sample_tries if cfg.dynamic_sampling else 1):
-        n = P if tries == 0 else min(4 * P, math.ceil((P - len(kept)) / max(keep_rate, 0.25)))
-        problems, n_drawn, n_skipped = draw_problems(run, state, n, 100 * P - skipped)
-        drawn, skipped = drawn + n_drawn, skipped + n_skipped
-        groups = sample_groups(run, problems, G, cfg.temperature, (cfg.seed, step, tries),
-                               cfg.max_new_tokens)
-        for g in groups:
-            g.rewards = shaped_rewards(cfg, g)
-        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
-        spread = credit.keep_groups(rewards, G).tolist()  # [len(groups)]: reward spread > 0
-        for g, informative in zip(groups, spread):
-            saturated = min(g.scores) == max(g.scores)  # all right or all wrong
-            history = state.pass_history.get(g.pid, []) + [saturated]
-            state.pass_history[g.pid] = history[-max(1, k):]
-            if informative or not cfg.dynamic_sampling:
-                kept.append(g)
-        seen += groups
-        keep_rate = len(kept) / len(seen)
-        if len(kept) >= P:
-            break
-    samples = G * len(seen)
-    stats = {"train/reward": sum(sum(g.rewards) for g in seen) / samples,
-             "train/accuracy": sum(sum(g.scores) for g in seen) / samples,
-             "train/kept_groups_frac": keep_rate,
-             "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
-             "train/skip_rate": skipped / drawn, "train/sample_tries": tries + 1,
-             "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
-             "train/nonfinite_rows": sum(g.nonfinite for g in seen)}
-    return kept[:P], {**stats, **tooluse.metrics(seen, "train/")}
+def remember_saturated(state: TrainState, groups: list[Group], k: int):
+    """The pass-rate memory: whether each group was saturated (all right or all wrong), its last
+    k visits."""
+    for g in groups:
+        history = state.pass_history.get(g.pid, []) + [min(g.scores) == max(g.scores)]
+        state.pass_history[g.pid] = history[-k:]
 
 
 # ================================================================== 3. log-probs and the update
-def policy_logprobs(run: Run, model, prompts: list, comps: list, rows: list[int],
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π and entropy [n, L] of a micro-batch's rows under `model` (bf16 autocast on CUDA)."""
-    completions, dev = [comps[i] for i in rows], run.proc.device
-    ids = pad_batch(completions).to(dev)  # [n, L]
-    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-        return completion_logprobs(model, [prompts[i] for i in rows], ids, temperature,
-                                   run.cfg.top_k, run.cfg.top_p,
-                                   lengths=[len(c) for c in completions])
+@dataclass
+class Batch:
+    """This rank's rows of the step's global batch: rank r trains on groups r, r + world, ..."""
+    groups: list[Group]                # the step's P groups, the same list on every rank
+    rows: list[int]                    # this rank's n rows k·G + i (sample i of group k)
+    prompts: list[list[int]]           # [n] prompts' token ids
+    completions: list[list[int]]       # [n] completions' token ids
+    mask: torch.Tensor                 # [n, L] bool: the loss tokens
+    sampler_logp: torch.Tensor         # [n, L] the sampler's log-probs of its tokens
+    plan: list[list[int]]              # the micro-batches: row indices, longest rows first
+    pad_passes: int                    # passes with no rows, so ranks run as many as the busiest
+    norm: torch.Tensor                 # the loss's normaliser over all ranks (grpo.loss_normaliser)
 
 
-def optimizer_step(run: Run, opt, finite: torch.Tensor | None = None) -> torch.Tensor:
-    """Clip the gradient norm, step (skipped when the norm, or `finite`, every rank's losses, is
-    not), zero grads."""
+def rank_batch(cfg: Config, proc: infra.Proc, groups: list[Group], tools) -> Batch:
+    """This rank's whole groups, their loss mask (DAPO §3.4 overlong filtering: mask_truncated
+    takes truncated samples out of the loss; a tool's forced tokens are context, not actions), the
+    global normaliser and the micro-batch plan."""
+    G, mine = cfg.group_size, range(proc.rank, len(groups), proc.world)
+    samples = [(groups[k], i) for k in mine for i in range(G)]  # sample i of group k: row k·G + i
+    prompts, completions = [g.prompt for g, _ in samples], [g.comps[i] for g, i in samples]
+    # DAPO §3.4 overlong filtering (mask_truncated): a truncated sample is out of the loss
+    mask = pad_batch([[not (cfg.mask_truncated and g.truncated[i])] * len(g.comps[i])
+                      for g, i in samples], False, torch.bool)                           # [n, L]
+    if tools:
+        mask &= pad_batch([g.policy[i] for g, i in samples], False, torch.bool)
+    plan, pad_passes = infra.micro_batches(prompts, completions, cfg.micro_batch_tokens)
+    logp = pad_batch([g.logprobs[i].tolist() for g, i in samples], 0.0, torch.float32)  # [n, L]
+    return Batch(groups=groups, rows=[k * G + i for k in mine for i in range(G)], prompts=prompts,
+                 completions=completions, mask=mask.to(proc.device), plan=plan,
+                 pad_passes=pad_passes, sampler_logp=logp.to(proc.device),
+                 norm=infra.all_sum(grpo.loss_normaliser(mask, cfg.agg, cfg.max_new_tokens)))
+
+
+def optimizer_step(run: Run, opt, losses: list[torch.Tensor] = ()) -> torch.Tensor:
+    """Clip the gradient norm, step, zero the gradients. The NaN guard: a non-finite loss on any
+    rank (one all-reduce) or a non-finite norm skips the step on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if finite is not None:  # guard.py: NaN anywhere skips everywhere
-        norm = torch.where(finite, norm, math.nan)
+    bad = torch.stack([~torch.isfinite(x) for x in losses]).sum() if losses else torch.zeros(())
+    norm = torch.where(infra.all_sum(bad.float()) == 0, norm, math.nan)
     ok = bool(torch.isfinite(norm))
     if not ok:  # skipped: without gradients the step below changes nothing, and torch's LR
         opt.zero_grad(set_to_none=True)  # scheduler sees the optimizer step it expects first
     opt.step()
-    if ok:
-        infra.refresh(run.sampler, run.model, lazy=True)  # gathered before the next sampling
+    if ok and run.sampler is not None:  # generate's copy: gathered before the next sampling
+        infra.refresh(run.sampler, run.model, lazy=True)
     opt.zero_grad(set_to_none=True)
     return norm
 
@@ -278,231 +331,26 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
     r, r + world, ..., divided by the global token count (any rank count, one gradient)."""
     proc = run.proc
     prompts, comps = prompts[proc.rank::proc.world], comps[proc.rank::proc.world]
-    keep = pad_batch([tooluse.policy_mask(run.task.tools, c) for c in comps] + [[False]], False,
-                     torch.bool).to(proc.device)  # [n + 1, L] loss tokens: no tool result, no pad
+    keep = pad_batch([tooluse.policy_mask(run.task.tools, c) for c in comps], False,
+                     torch.bool).to(proc.device)  # [n, L] loss tokens: no tool result, no pad
     norm = infra.all_sum(float(keep.sum()))  # global loss tokens
-    plan, sums = infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens), {}
+    plan, pad_passes = infra.micro_batches(prompts, comps, run.cfg.micro_batch_tokens)
+    metrics = []
     for b, rows in enumerate(plan):
-        logp, entropy = policy_logprobs(run, run.model, prompts + [[0]], comps + [[0]], rows, 0.0)
-        mask = keep[rows, :logp.shape[1]]  # [n, L]
+        logp, entropy = completion_logprobs(run.model, [prompts[i] for i in rows],
+                                            [comps[i] for i in rows], 0.0)             # [n, L]
+        mask = keep[rows, :logp.shape[1]]                                               # [n, L]
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
-        infra.grad_sync(run.model, b == len(plan) - 1)  # FSDP2 reduce-scatters after the last
+        if run.sharded:  # FSDP2 reduce-scatters the gradients in the last backward
+            run.model.set_requires_gradient_sync(b == len(plan) - 1 + pad_passes)
         (loss * proc.world).backward()  # FSDP averages over ranks: undo it
-        infra.add_sums(sums, {"train/loss": loss, "train/entropy": (entropy * mask).sum() / norm})
+        metrics.append({"train/loss": loss, "train/entropy": (entropy * mask).sum() / norm})
+    if pad_passes:
+        infra.padding_passes(run.model, pad_passes)
     gnorm = optimizer_step(run, opt)
     sched.step()
-    return {**infra.all_sum_dict(sums), "train/grad_norm": gnorm,
+    return {**infra.reduce_metrics(metrics), "train/grad_norm": gnorm,
             "train/lr": sched.get_last_lr()[0]}
-
-
-# ============================================================================================= RL
-@dataclass
-class Batch:
-    """This rank's rows of the step's global batch: rank r trains on whole groups r, r + world, ...
-
-    The pad row: every rank runs as many micro-batches as the busiest (FSDP's collectives line
-    up): a rank with fewer rows runs padding passes on an extra row n, last in every list and
-    tensor here (token 0, loss mask 0, advantage 0): nothing in the loss, gradient or metrics."""
-    groups: list[Group]                # the step's P groups, the same list on every rank
-    samples: list[tuple[int, int]]     # this rank's n rows as (group k, sample i)
-    ids: list[int]                     # their global row indices k·G + i
-    prompts: list[list[int]]           # n + 1 prompts' token ids (the pad row last)
-    completions: list[list[int]]       # n + 1 completions' token ids
-    mask: torch.Tensor                 # [n + 1, L] bool: the loss tokens
-    sampler_logp: torch.Tensor         # [n + 1, L] the sampler's log-probs of its tokens
-    plan: list[list[int]]              # the micro-batches: row indices, longest rows first
-    normaliser: torch.Tensor           # the loss's denominator over all ranks
-
-    def row_names(self) -> list[str]:  # "problem id/sample", the NaN guard's names for its rows
-        return [f"{self.groups[k].pid}/{i}" for k, i in self.samples] + ["pad"]
-
-
-def rank_batch(run: Run, groups: list[Group]) -> Batch:
-    """This rank's whole groups, their loss mask (DAPO §3.4 overlong filtering: no loss on
-    truncated samples with mask_truncated), the global normaliser and the micro-batch plan."""
-    cfg, proc, G = run.cfg, run.proc, run.cfg.group_size
-    samples = [(k, i) for k in range(proc.rank, len(groups), proc.world) for i in range(G)]
-    ids = [k * G + i for k, i in samples]
-    prompts = [groups[k].prompt for k, _ in samples]
-    completions = [groups[k].comps[i] for k, i in samples]
-    in_loss = [not (cfg.mask_truncated and groups[k].truncated[i]) for k, i in samples]
-    policy = [groups[k].policy[i] for k, i in samples]  # tools: their forced tokens are context
-    mask = pad_batch([[keep and p for p in pol] for keep, pol in zip(in_loss, policy)] + [[False]],
-                     False, torch.bool).to(proc.device)  # [n + 1, L]
-    sampler_logp = pad_batch([groups[k].logprobs[i].tolist() for k, i in samples] + [[0.0]], 0.0,
-                             torch.float32).to(proc.device)  # [n + 1, L]
-    normaliser = infra.all_sum(grpo.loss_normaliser(mask[:-1], cfg.agg, cfg.max_new_tokens))
-    plan = infra.rank_micro_batches(prompts, completions, cfg.micro_batch_tokens)
-    return Batch(groups, samples, ids, prompts + [[0]], completions + [[0]], mask, sampler_logp,
-                 plan, normaliser)
-
-
-def pass_before_update(run: Run, batch: Batch) -> list[tuple]:
-    """(log π_old, entropy, log π_ref or None) [n, L] of every micro-batch, no gradients, for the
-    options needing the whole batch first: top-entropy, KL in the reward, Clip-/KL-Cov; else []."""
-    cfg = run.cfg
-    if cfg.top_entropy_q < 1 or cfg.cov != "none" or cfg.kl_in_reward:
-        return whole_batch_pass(run, policy_logprobs, batch.prompts, batch.completions, batch.plan)
-    return []
-
-
-def advantages(run: Run, groups: list[Group], shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Â [N] of the global batch (credit.group_advantages), or with reward = "process" Â [N, L]
-    (credit.process_advantages): each step's 0/1 reward (verify.step_rewards) at its last token,
-    the shaped outcome reward at the end; shift [N] (KL in the reward, −β Σ_t k1) goes first."""
-    cfg = run.cfg
-    rewards = torch.tensor([r for g in groups for r in g.rewards]) + (0 if shift is None else shift)
-    if cfg.reward != "process":  # "none": zero rewards, so Â = 0 (pure distillation)
-        rewards = rewards * (cfg.reward != "none")
-        lengths = torch.tensor([0 if cfg.mask_truncated and cut else len(c) for g in groups
-                                for c, cut in zip(g.comps, g.truncated)])
-        return credit.group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale,
-                                       lengths=lengths)
-    steps, shaped = [], iter(rewards.tolist())  # steps: per row, [(reward, end token)]
-    for g in groups:
-        for comp, text, r in zip(g.comps, g.texts, shaped):
-            # each token's end character, to find the token a step's text ends in
-            ends = list(itertools.accumulate(len(run.task.text([t])) for t in comp))
-            row = [(float(ok), bisect.bisect_right(ends, e - 1))
-                   for e, ok in verify.step_rewards(text)]
-            steps.append(row + [(r, len(comp) - 1)])
-    step_rewards = pad_batch([[s[0] for s in row] for row in steps], 0, torch.float32)
-    step_ends = pad_batch([[s[1] for s in row] for row in steps], 0, torch.long)
-    valid = pad_batch([[True] * len(row) for row in steps], False, torch.bool)
-    length = max(len(c) for g in groups for c in g.comps)
-    return credit.process_advantages(step_rewards, step_ends, valid, cfg.group_size, length)
-
-
-def batch_advantages(run: Run, batch: Batch, before: list[tuple]) -> torch.Tensor:
-    """Â of this rank's rows, [n + 1] or [n + 1, L] (0 on the pad row), over the global batch;
-    KL in the reward shifts each reward by −β Σ_t k1 (credit.kl_reward), gathered by row."""
-    cfg, dev = run.cfg, run.proc.device
-    shift = None
-    if cfg.kl_in_reward:
-        mine = torch.zeros(len(batch.ids) + 1, device=dev)
-        for (old_logp, _, ref_logp), rows in zip(before, batch.plan):
-            mask = batch.mask[rows, :old_logp.shape[1]]
-            mine[rows] = credit.kl_reward(mine[rows], old_logp, ref_logp, mask, cfg.beta)
-        gathered = infra.all_gather_list(list(zip(batch.ids, mine[:-1].tolist())))
-        shift = torch.tensor([v for _, v in sorted(gathered)])
-    adv = advantages(run, batch.groups, shift)  # [N] or [N, L]
-    return torch.cat((adv[batch.ids], adv.new_zeros(1, *adv.shape[1:]))).to(dev)
-
-
-@dataclass
-class TokenPicks:
-    """Tokens chosen over the whole batch before the first update (None / [] when off)."""
-    entropy_threshold: torch.Tensor | None  # top_entropy_q < 1: τ, the top-q entropy of π_old
-    cov: list[torch.Tensor]                 # cov != "none": bool [n, L] per micro-batch
-
-
-def token_picks(run: Run, batch: Batch, before: list[tuple], adv: torch.Tensor,
-                step: int) -> TokenPicks:
-    """The top-entropy threshold τ over the global batch's tokens (Wang et al. 2025), and the
-    Clip-Cov / KL-Cov tokens by cov(log π_old, Â) (Cui et al. 2025, objective.cov_picks)."""
-    cfg, dev = run.cfg, run.proc.device
-    tau = None
-    if cfg.top_entropy_q < 1:
-        entropies = [entropy[batch.mask[rows, :entropy.shape[1]]].cpu()
-                     for (_, entropy, _), rows in zip(before, batch.plan)]
-        every = torch.cat(infra.all_gather_list(entropies))
-        tau = grpo.entropy_threshold(every, cfg.top_entropy_q).to(dev)
-    cov = []
-    if cfg.cov != "none":
-        cov = cov_picks(cfg, run.proc.rank, before, batch.plan, batch.mask, adv, step, batch.ids)
-    return TokenPicks(tau, cov)
-
-
-@dataclass
-class OldPolicy:
-    """What the first epoch fixes for a micro-batch: π_old and what hangs on it."""
-    logp: torch.Tensor                      # log π_old [n, L]: π_θ before this step's update
-    teacher: distill.TeacherLogProbs | None  # log π_T of the sampled tokens (a teacher only)
-    high_entropy: torch.Tensor | None       # top_entropy_q < 1: bool [n, L], entropy ≥ τ
-    cov_picked: torch.Tensor | None         # cov != "none": bool [n, L], Clip-/KL-Cov's tokens
-
-
-def old_policy(run: Run, batch: Batch, picks: TokenPicks, b: int, logp: torch.Tensor,
-               entropy: torch.Tensor, mask: torch.Tensor) -> OldPolicy:
-    """Micro-batch b's π_old (logp, entropy [n, L] of epoch 0), its teacher log-probs and picks."""
-    teacher = (None if run.teacher is None
-               else distill.teacher_logprobs(run, batch.prompts, batch.completions, batch.plan[b]))
-    tau = picks.entropy_threshold
-    high_entropy = None if tau is None else grpo.top_entropy_mask(entropy, mask, tau)
-    return OldPolicy(logp.detach(), teacher, high_entropy, picks.cov[b] if picks.cov else None)
-
-
-def token_advantages(run: Run, adv: torch.Tensor, rows: torch.Tensor, length: int,
-                     old: OldPolicy, mask: torch.Tensor) -> torch.Tensor:
-    """Â of a micro-batch, [n] or [n, L]; on-policy distillation adds its per-token term
-    w·(log π_T − log π_old)(o_t) (distill.opd_advantage)."""
-    token_adv = adv[rows, :length] if adv.dim() == 2 else adv[rows]
-    if old.teacher is None:
-        return token_adv
-    return distill.opd_advantage(token_adv, old.teacher.logp, old.logp, mask, run.cfg.opd_weight)
-
-
-def token_weights(run: Run, old: OldPolicy, sampler_logp: torch.Tensor,
-                  mask: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
-    """grpo.policy_loss's pg_weight w_t [n, L] (None: all 1) and TIS's metrics: the truncated IS
-    weight of the sampler/trainer mismatch × the top-entropy mask × Clip-Cov's 0 on its tokens."""
-    cfg = run.cfg
-    weight, tis = None, {}
-    if cfg.tis != "none":  # the sampler drew from its own log-probs: reweight to π_old
-        weight, tis = grpo.tis_weights(old.logp, sampler_logp, mask, cfg.tis, cfg.tis_mode,
-                                       cfg.tis_cap)
-    if old.high_entropy is not None:
-        weight = old.high_entropy.float() if weight is None else weight * old.high_entropy
-    if cfg.cov == "clip":  # the picked tokens leave the loss (KL-Cov: |log ρ| on them instead)
-        weight = (~old.cov_picked).float() * (1 if weight is None else weight)
-    return weight, tis
-
-
-def ref_logprobs(run: Run, batch: Batch, rows: list[int]) -> torch.Tensor | None:
-    """log π_ref [n, L] of a micro-batch for β·KL in the loss (kl_in "loss", β > 0), or None."""
-    if not (run.cfg.beta > 0 and run.cfg.kl_in == "loss"):
-        return None
-    with torch.no_grad():
-        return policy_logprobs(run, run.ref, batch.prompts, batch.completions, rows,
-                               run.cfg.temperature)[0]
-
-
-def loss_settings(cfg: Config) -> dict:
-    """grpo.policy_loss's keywords that the Config fixes for the whole run."""
-    return dict(pg_loss=cfg.pg_loss, ratio_level=cfg.ratio_level, eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tau_pos=cfg.tau_pos,
-                tau_neg=cfg.tau_neg, kl_estimator=cfg.kl_estimator, kl_old=cfg.kl_old,
-                agg=cfg.agg, max_len=cfg.max_new_tokens)
-
-
-@dataclass
-class Tally:
-    """The step's metrics over its epoch-0 micro-batches: token-weighted sums and maxima."""
-    sums: dict = field(default_factory=dict)
-    maxes: dict = field(default_factory=dict)
-
-    def add(self, run: Run, loss, metrics: dict, tis: dict, old: OldPolicy, sampler_logp, mask,
-            entropy):
-        # log π_old − log μ on the sampled tokens: the sampler/trainer scoring mismatch
-        diff = (old.logp - sampler_logp) * mask
-        maxes = [("train/logprob_gap_max", diff.abs().amax())]
-        if tis:
-            maxes.append(("train/tis_max", tis.pop("tis_max")))
-        for k, v in maxes:
-            self.maxes[k] = torch.maximum(self.maxes.get(k, v), v)
-        n_tokens = metrics.pop("tokens")
-        infra.add_sums(self.sums, {
-            "train/loss": loss, "n": n_tokens, "train/entropy": (entropy * mask).sum(),
-            "train/mismatch_kl": (torch.expm1(diff) - diff).sum(),  # k3 of KL(μ‖π_old)
-            **{f"train/{k}": v * n_tokens for k, v in {**metrics, **tis}.items()},
-            **(distill.metrics(run, old.teacher, old.logp, mask) if old.teacher is not None
-               else {})})
-
-    def result(self) -> dict:
-        out = infra.all_sum_dict(self.sums)
-        top = dict(zip(self.maxes, infra.all_max(torch.stack(list(self.maxes.values())))))
-        n_tokens = out.pop("n").clamp(min=1)
-        return {**{k: v / (1 if k == "train/loss" else n_tokens) for k, v in out.items()}, **top}
 
 
 def skip_update(opt, sched, stats: dict) -> dict:
@@ -514,54 +362,51 @@ def skip_update(opt, sched, stats: dict) -> dict:
 
 def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     """One RL step, the module docstring's steps 1-4; returns its metrics."""
-    cfg, world, dev = run.cfg, run.proc.world, run.proc.device
-    t0 = time.time()
-    # 1-2. sample, reward and keep P informative groups (the same global list on every rank)
-    if run.link:  # async_rl.py: from the sampler ranks
-        groups, stats = run.link.take(state, step)
-    else:
-        groups, stats = dynamic_sampling(run, state, step)
-    t1 = time.time()
+    # 1-2. sample, reward, keep P groups with reward spread (the same list on every rank; with
+    # sampler ranks, async_rl.py's, sampled ahead)
+    groups, stats = run.link.take(state, step) if run.link else dynamic_sampling(run, state, step)
     if not groups:
         return skip_update(opt, sched, stats)
-    # 3. this rank's rows; advantages (and the options' picks) over the global batch
-    batch = rank_batch(run, groups)
-    before = pass_before_update(run, batch)  # [] unless an option needs the whole batch
-    adv = batch_advantages(run, batch, before)  # [n + 1] or [n + 1, L]
-    picks = token_picks(run, batch, before, adv, step)
-    # 4. μ optimizer steps on this batch, each over all micro-batches
-    old, tally, settings = {}, Tally(), loss_settings(cfg)
-    for epoch in range(cfg.ppo_epochs):
-        losses = []  # this epoch's micro-batch losses, for the NaN guard
+    # 3. this rank's rows; Â_i over the global batch: DeepSeekMath §4.1.2's (r_i − mean) / std
+    # over the group, adv_scale's other, or the options' (objective.Options)
+    t1, batch = time.time(), rank_batch(run.cfg, run.proc, groups, run.task.tools)
+    rewards = torch.tensor([r for g in groups for r in g.rewards])                      # [N]
+    options = Options(run, batch, step) if run.options else None
+    adv = (options.advantages(rewards) if options else credit.group_advantages(
+        rewards, run.cfg.group_size, run.cfg.adv_scale))[batch.rows].to(run.proc.device)
+    # 4. μ optimizer steps on this batch, each over every micro-batch; the loss is grpo.py's
+    fixed, metrics = {}, []  # what epoch 0 fixes per micro-batch; metrics per micro-batch
+    for epoch in range(run.cfg.ppo_epochs):
         for b, rows in enumerate(batch.plan):
-            logp, entropy = policy_logprobs(run, run.model, batch.prompts, batch.completions,
-                                            rows, cfg.temperature)  # [n, L]
-            r, length = torch.tensor(rows, device=dev), logp.shape[1]
-            mask, sampler_logp = batch.mask[r, :length], batch.sampler_logp[r, :length]
-            ref = ref_logprobs(run, batch, rows)
+            inputs = [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows]
+            logp, entropy = completion_logprobs(run.model, *inputs, *run.sampling)      # [n, L]
+            mask = batch.mask[rows, :logp.shape[1]]                                     # [n, L]
             if epoch == 0:  # π_old = π_θ before the update: ρ = 1, the clip binds from epoch 2
-                old[b] = old_policy(run, batch, picks, b, logp, entropy, mask)
-            token_adv = token_advantages(run, adv, r, length, old[b], mask)
-            weight, tis = token_weights(run, old[b], sampler_logp, mask)
-            kl_cov = cfg.cov_kl_coef * old[b].cov_picked.float() if cfg.cov == "kl" else None
-            loss, metrics = grpo.policy_loss(
-                logp, old[b].logp, token_adv, mask, pg_weight=weight, ref_logp=ref,
-                beta=cfg.beta * (ref is not None), abs_kl=kl_cov, loss_scale=batch.normaliser,
-                **settings)
-            infra.grad_sync(run.model, b == len(batch.plan) - 1)  # reduce once per optimizer step
-            (loss * world).backward()  # FSDP averages gradients over ranks: undo it
-            losses.append(loss.detach())
-            if epoch == 0:  # log the on-policy epoch
-                tally.add(run, loss, metrics, tis, old[b], sampler_logp, mask, entropy)
-        gnorm = optimizer_step(run, opt, guard.finite_everywhere(losses))  # NaN anywhere: all skip
-        guard.name_bad_rows(step, run.proc.rank, losses, batch.plan, batch.row_names())
+                fixed[b] = dict(old_logp=logp.detach(), advantages=adv[rows],
+                                loss_scale=batch.norm)
+                if run.cfg.beta and run.cfg.kl_in == "loss":  # β·KL(π_θ‖π_ref), GRPO's
+                    fixed[b]["ref_logp"] = completion_logprobs(run.ref, *inputs, *run.sampling)[0]
+                if options:  # TIS, top-entropy, Clip-/KL-Cov, OPD: their terms in fixed[b]
+                    options.terms(b, fixed[b], entropy, mask, batch.sampler_logp[rows])
+            loss, terms = grpo.policy_loss(logp, mask=mask, **run.loss_kw, **fixed[b])
+            metrics.append(grpo.loss_sums(loss, terms, mask, entropy, batch.sampler_logp[rows]))
+            if run.sharded:  # FSDP2 reduce-scatters the gradients in the step's last backward
+                run.model.set_requires_gradient_sync(b == len(batch.plan) - 1 + batch.pad_passes)
+            (loss * run.proc.world).backward()  # FSDP averages gradients over ranks: undo it
+        if batch.pad_passes:  # fewer rows than the busiest rank: passes that add nothing
+            infra.padding_passes(run.model, batch.pad_passes)
+        losses = [m["loss"] for m in metrics[len(metrics) - len(batch.plan):]]  # this epoch's
+        gnorm = optimizer_step(run, opt, losses)  # a NaN on any rank: every rank skips
+        if not torch.isfinite(gnorm):
+            guard.name_bad_rows(step, run.proc.rank, epoch, losses, batch)
     sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
-    trained = tally.result()
-    tokens = infra.all_sum(float(sum(map(len, batch.completions[:-1]))))
-    completion_len = sum(len(c) for g in groups for c in g.comps) / (cfg.group_size * len(groups))
-    return {"time/rollout_s": t1 - t0, "time/sample_tok_per_s": tokens / (t1 - t0), **stats,
-            **trained, "train/grad_norm": gnorm, "train/lr": sched.get_last_lr()[0],
-            "time/train_s": time.time() - t1, "train/completion_len": completion_len,
+    # epoch 0's metrics (and the options'): sums over micro-batches and ranks, then token means
+    m = infra.reduce_metrics(metrics[:len(batch.plan)] + (options.metrics if options else []))
+    n, n_comp = m.pop("tokens").clamp(min=1), sum(len(c) for g in groups for c in g.comps)
+    return {**stats, **{f"train/{k}": v if k == "loss" or k.endswith("_max") else v / n
+                        for k, v in m.items()}, "train/grad_norm": gnorm,
+            "train/lr": sched.get_last_lr()[0], "time/train_s": time.time() - t1,
+            "train/completion_len": n_comp / (run.cfg.group_size * len(groups)),
             **(distill.teacher_pass(run, groups, step) if run.teacher is not None else {})}
 
 
@@ -588,9 +433,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
     rec, by_level, shown, tried = {}, {}, [], []
     for c0 in range(0, len(probs), cfg.eval_batch):
         chunk = probs[c0:c0 + cfg.eval_batch]
-        greedy = sample_groups(run, chunk, 1, 0.0, (cfg.eval_seed, 0), cfg.max_new_tokens, c0)
-        sampled = sample_groups(run, chunk, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1),
-                                cfg.max_new_tokens, c0)
+        greedy = sample_groups(run, chunk, 1, 0.0, (cfg.eval_seed, 0), c0)
+        sampled = sample_groups(run, chunk, cfg.eval_k, cfg.temperature, (cfg.eval_seed, 1), c0)
         for g, s in zip(greedy, sampled):
             row = eval_row(g, s, cfg.eval_k)
             for key in [None, f"L{g.problem.level}"] + [g.problem.source] * bool(g.problem.source):
@@ -617,7 +461,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
                               for g in shown])
     answered = rec["eval/answer_rate_greedy"]  # accuracy among the answered: format apart
     rec["eval/answered_accuracy"] = rec["eval/pass@1"] / answered if answered else 0.0
-    return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec, **tooluse.metrics(tried, "eval/")}
+    tools = tooluse.metrics(tried, "eval/") if run.task.tools else {}
+    return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec, **tools}
 
 
 # =========================================================================================== loop

@@ -22,7 +22,7 @@ import decode
 import rollout
 import train
 from model import ModelConfig, Transformer
-from rollout import HeadLogProbs, completion_logprobs, generate, pad_batch
+from rollout import HeadLogProbs, completion_logprobs, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,8 +82,7 @@ def test_generate_on_cuda_and_the_trainer_scores_it_the_same_way():
     r = generate(m, prompts, 4, 32, temperature=1.0, seed=0)
     assert r.completion_ids.device.type == "cuda" and r.logprobs.dtype == torch.float32
     comps = [r.completion_ids[i, :r.lengths[i]].tolist() for i in range(12)]
-    lp, _ = completion_logprobs(m, [prompts[i // 4] for i in range(12)], pad_batch(comps), 1.0,
-                                lengths=[len(c) for c in comps])
+    lp, _ = completion_logprobs(m, [prompts[i // 4] for i in range(12)], comps, 1.0)
     gap = ((lp - r.logprobs[:, :lp.shape[1]]).abs() * r.completion_mask[:, :lp.shape[1]]).max().item()
     print(f"sampler vs trainer log-prob gap in bf16: {gap:.2e}")
     assert gap < 0.1  # the same weights, a different kernel mix (cached decode vs one causal forward)
@@ -116,7 +115,7 @@ def test_logprob_memory_of_one_rl_micro_batch_at_a_real_vocabulary(monkeypatch):
     V, rows, prompt_len, new = 151936, 64, 192, 64  # 16,384 tokens: the qwen preset's micro_batch_tokens
     m = qwen(vocab=V, hidden=896, layers=2).to(torch.bfloat16)
     prompts = torch.randint(3, V, (rows, prompt_len)).tolist()
-    comps = torch.randint(3, V, (rows, new))
+    comps = torch.randint(3, V, (rows, new)).tolist()
     peaks = {}
     for name in ("trunk", "head"):
         with monkeypatch.context() as mp:

@@ -19,7 +19,7 @@ import infra
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
-from rollout import completion_logprobs, generate, pad_batch
+from rollout import completion_logprobs, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -110,10 +110,10 @@ def test_exact_kl_against_a_float64_loop():
     run = SimpleNamespace(cfg=SimpleNamespace(temperature=0.8, top_k=3, top_p=1.0), proc=SimpleNamespace(
         device=torch.device("cpu")), model=student, teacher=teacher, sampler=None)
     prompts, comps = [[1, 2, 3], [4], [5, 6]], [[2, 2], [3, 1, 0, 6], [1]]
-    got = distill.teacher_logprobs(run, prompts, comps, [2, 0, 1])
+    ps, cs = [prompts[i] for i in (2, 0, 1)], [comps[i] for i in (2, 0, 1)]
+    got = distill.teacher_logprobs(run, ps, cs)
     with torch.no_grad():
-        ps, cs = [prompts[i] for i in (2, 0, 1)], [comps[i] for i in (2, 0, 1)]
-        want_logp = completion_logprobs(teacher, ps, pad_batch(cs), 0.8, lengths=[len(c) for c in cs])[0]
+        want_logp = completion_logprobs(teacher, ps, cs, 0.8)[0]
         assert torch.equal(got.logp, want_logp)
         for row, i in enumerate([2, 0, 1]):
             seq = torch.tensor([prompts[i] + comps[i]])
@@ -192,7 +192,7 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
     run without the exact KL (EXACT_KL_MAX_V = 0: log π_T from rollout.completion_logprobs, a path the exact KL
     never took)."""
     counts = {"forward": 0, "micro_batches": 0}
-    load, plan = distill.load_teacher, infra.rank_micro_batches
+    load, plan = distill.load_teacher, infra.micro_batches
 
     def counted_teacher(*a):
         teacher = load(*a)
@@ -206,10 +206,10 @@ def test_one_teacher_forward_per_micro_batch_feeds_both(tmp_path, monkeypatch):
 
     def counted_plan(*a):
         out = plan(*a)
-        counts["micro_batches"] += len(out)
+        counts["micro_batches"] += len(out[0])
         return out
     monkeypatch.setattr(distill, "load_teacher", counted_teacher)
-    monkeypatch.setattr(infra, "rank_micro_batches", counted_plan)
+    monkeypatch.setattr(infra, "micro_batches", counted_plan)
     args = opd_args(tmp_path, "--ppo_epochs=2", "--micro_batch_tokens=64", "--rl_steps=3", "--sft_steps=0",
                     "--teacher_pass_every=0")  # RL only; no teacher generate
     train.main(train.parse_args(args + [f"--out_dir={tmp_path / 'exact'}"]))

@@ -46,6 +46,15 @@ def slow_loss(logp, old, ref, mask, adv, eps_low, eps_high, beta, agg, max_len=N
     return sum(all_tok) / (n * (max_len or length))
 
 
+def with_means(logp, old, adv, mask, **kw):
+    """policy_loss, and its metrics as means over the loss tokens (grpo.loss_sums / their count), with
+    "tokens" the count, as a trainer logs them."""
+    loss, terms = grpo.policy_loss(logp, old, adv, mask, **kw)
+    sums = grpo.loss_sums(loss, terms, mask, torch.zeros_like(logp), old)  # entropy 0, μ = π_old
+    n, skip = sums.pop("tokens"), {"loss", "entropy", "mismatch_kl", "logprob_gap_max"}
+    return loss, {**{k: v / n.clamp(min=1) for k, v in sums.items() if k not in skip}, "tokens": n}
+
+
 # ---------------------------------------------------------------- process supervision
 
 # ---------------------------------------------------------------- clipped surrogate
@@ -59,7 +68,7 @@ def test_equal_groups_zero_advantage_and_finite_loss():
     logp, old, ref, mask, _ = ragged_batch()
     adv = credit.group_advantages(r, 3).double()
     for agg in AGGS:
-        loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, agg=agg)
+        loss, m = with_means(logp, old, adv, mask, ref_logp=ref, beta=0.1, agg=agg)
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in m.values())
 
 
@@ -68,7 +77,7 @@ def one_token(ratios, adv, **kw):
     logp = torch.tensor(ratios, dtype=torch.float64).log()[:, None].requires_grad_()
     old = torch.zeros_like(logp)
     mask = torch.ones_like(logp, dtype=torch.bool)
-    loss, m = grpo.policy_loss(logp, old, torch.tensor(adv, dtype=torch.float64), mask, agg="token_mean", **kw)
+    loss, m = with_means(logp, old, torch.tensor(adv, dtype=torch.float64), mask, agg="token_mean", **kw)
     loss.backward()
     return loss, m, logp.grad[:, 0]
 
@@ -112,7 +121,7 @@ def test_aggregation_matches_loop(agg, beta):
 def test_gradient_identity_at_ratio_one(agg):
     logp, _, _, mask, adv = ragged_batch()
     logp.requires_grad_()
-    loss, m = grpo.policy_loss(logp, logp.detach().clone(), adv, mask.float(), agg=agg, max_len=10)
+    loss, m = with_means(logp, logp.detach().clone(), adv, mask.float(), agg=agg, max_len=10)
     loss.backward()
     lens = mask.sum(1, keepdim=True).double()
     norm = {"token_mean": mask.sum().double(), "seq_mean_token_sum_norm": torch.tensor(6.0 * 10),
@@ -125,9 +134,9 @@ def test_gradient_identity_at_ratio_one(agg):
 def test_k3_kl_nonnegative_and_zero_at_ref():
     logp, old, ref, mask, adv = ragged_batch()
     zero_adv = torch.zeros_like(adv)
-    _, m = grpo.policy_loss(logp, old, zero_adv, mask, ref_logp=logp.clone(), beta=0.1)
+    _, m = with_means(logp, old, zero_adv, mask, ref_logp=logp.clone(), beta=0.1)
     assert m["kl"] == 0.0
-    loss, m = grpo.policy_loss(logp, old, zero_adv, mask, ref_logp=ref, beta=1.0, agg="token_mean")
+    loss, m = with_means(logp, old, zero_adv, mask, ref_logp=ref, beta=1.0, agg="token_mean")
     assert m["kl"] > 0 and loss > 0
     d = (ref - logp)[mask]
     torch.testing.assert_close(m["kl"], (d.exp() - d - 1).mean())
@@ -136,7 +145,7 @@ def test_k3_kl_nonnegative_and_zero_at_ref():
 def test_metrics_are_detached_scalars_and_token_advantages():
     logp, old, ref, mask, adv = ragged_batch()
     logp.requires_grad_()
-    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1)
+    loss, m = with_means(logp, old, adv, mask, ref_logp=ref, beta=0.1)
     assert set(m) == {"clip_low", "clip_high", "ratio", "tokens", "kl"}
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
     ratio = (logp - old).exp()[mask]
@@ -200,7 +209,7 @@ def test_k3_is_an_unbiased_estimate_of_exact_kl():
 def test_bad_input_raises():
     logp, old, ref, mask, adv = ragged_batch()
     with pytest.raises(ValueError, match="seq_mean"):
-        grpo.policy_loss(logp, old, adv, mask, agg="seq_mean")
+        grpo.check_settings(agg="seq_mean")
     with pytest.raises(ValueError, match="'std'"):
         credit.group_advantages(torch.zeros(4), 2, scale="std")
     with pytest.raises(ValueError, match="not divisible"):
@@ -208,17 +217,17 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="rewards must be 1-d"):
         credit.keep_groups(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="old_logp"):
-        grpo.policy_loss(logp, old[:, :3], adv, mask)
+        grpo.check_shapes(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="mask"):
-        grpo.policy_loss(logp, old, adv, mask[:3])
+        grpo.check_shapes(logp, old, adv, mask[:3])
     with pytest.raises(ValueError, match="advantages"):
-        grpo.policy_loss(logp, old, adv[:3], mask)
+        grpo.check_shapes(logp, old, adv[:3], mask)
     with pytest.raises(ValueError, match="logp must be 2-d"):
-        grpo.policy_loss(logp[0], old[0], adv, mask[0])
+        grpo.check_shapes(logp[0], old[0], adv, mask[0])
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo.policy_loss(logp, old, adv, mask, beta=0.1)
-    with pytest.raises(ValueError, match="unknown agg 'x'"):
-        grpo.loss_normaliser(mask, "x")
+        grpo.check_shapes(logp, old, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="agg 'x'"):
+        grpo.check_settings(agg="x")
     with pytest.raises(ValueError, match="cache_len"):
         credit.overlong_penalty(torch.zeros(2), 10, 11)
     with pytest.raises(ValueError, match="group_size"):
@@ -308,7 +317,7 @@ def test_new_options_match_loop(agg, opts):
     old = logp + 2 * (old - logp)  # ratios in [0.5, 6.6]: every clip and the dual clip bind somewhere
     logp.requires_grad_()
     kw = grpo_kwargs(opts, mask)
-    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    loss, m = with_means(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
     g_got, = torch.autograd.grad(loss, logp)
     loop_kw = {**opts, "weight": kw["pg_weight"]}
     for_grad, value = loop_loss(logp, old, ref, mask, adv, agg=agg, max_len=11, **loop_kw)
@@ -331,7 +340,7 @@ def test_gspo_cispo_dual_clip_by_hand():
     # GSPO: one row, log-ratios 0.1 and 0.3 -> s = e^0.2 = 1.2214, inside 1 + 0.3: loss −s·Â, d/dlogp_t = −s·Â/2
     logp = torch.tensor([[0.1, 0.3]], dtype=torch.float64).requires_grad_()
     zeros, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
-    loss, m = grpo.policy_loss(logp, zeros, torch.tensor([2.0], dtype=torch.float64), mask, eps_high=0.3,
+    loss, m = with_means(logp, zeros, torch.tensor([2.0], dtype=torch.float64), mask, eps_high=0.3,
                                ratio_level="sequence")
     loss.backward()
     s = math.exp(0.2)
@@ -461,17 +470,17 @@ def test_new_options_split_into_micro_batches_and_ranks(agg, opts):
 def test_new_options_bad_input_raises():
     logp, old, ref, mask, adv = ragged_batch()
     with pytest.raises(ValueError, match="ratio_level 'seq'"):
-        grpo.policy_loss(logp, old, adv, mask, ratio_level="seq")
+        grpo.check_settings(ratio_level="seq")
     with pytest.raises(ValueError, match="pg_loss 'ppo'"):
-        grpo.policy_loss(logp, old, adv, mask, pg_loss="ppo")
+        grpo.check_settings(pg_loss="ppo")
     with pytest.raises(ValueError, match="dual_clip must be 0"):
-        grpo.policy_loss(logp, old, adv, mask, dual_clip=0.5)
+        grpo.check_settings(dual_clip=0.5)
     with pytest.raises(ValueError, match="dual_clip must be 0"):
-        grpo.policy_loss(logp, old, adv, mask, dual_clip=3.0, pg_loss="cispo")
+        grpo.check_settings(dual_clip=3.0, pg_loss="cispo")
     with pytest.raises(ValueError, match="kl_estimator 'k4'"):
-        grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, kl_estimator="k4")
+        grpo.check_settings(kl_estimator="k4")
     with pytest.raises(ValueError, match="pg_weight"):
-        grpo.policy_loss(logp, old, adv, mask, pg_weight=mask[:, :3])
+        grpo.check_shapes(logp, old, adv, mask, pg_weight=mask[:, :3])
     with pytest.raises(ValueError, match="'reinforce'"):
         credit.group_advantages(torch.zeros(4), 2, scale="reinforce")
     with pytest.raises(ValueError, match="cap 0.5"):
@@ -542,7 +551,7 @@ def test_2026_objectives_match_loop(agg, opts):
     old = logp + 2 * (old - logp)  # ratios in [0.5, 6.6]: every trust region binds somewhere
     logp.requires_grad_()
     kw = grpo_kwargs(opts, mask)
-    loss, m = grpo.policy_loss(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
+    loss, m = with_means(logp, old, adv, mask, ref_logp=ref, agg=agg, max_len=11, **kw)
     g_got, = torch.autograd.grad(loss, logp)
     lkw = {k: v for k, v in opts.items() if k not in ("weight", "abs_kl", "pg_loss")}
     for_grad, value = loop_2026(logp, old, mask, adv, opts.get("pg_loss", "clip"), weight=kw["pg_weight"],
@@ -566,7 +575,7 @@ def test_2026_objectives_by_hand():
     # the kept token's gradient is −sg(ρ)·Â/2 = −1.1/2 with token_mean; value −(0 + 1.1)/2
     old = torch.tensor([[0.5, 0.5]], **f64).log()
     logp = torch.tensor([[0.7, 0.55]], **f64).log().requires_grad_()
-    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.1, eps_high=0.1, agg="token_mean",
+    loss, m = with_means(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.1, eps_high=0.1, agg="token_mean",
                                pg_loss="dppo_tv")
     loss.backward()
     assert loss.item() == pytest.approx(-1.1 / 2) and m["clip_high"] == 0.5 and m["clip_low"] == 0
@@ -579,7 +588,7 @@ def test_2026_objectives_by_hand():
     # DPPO-KL, δ = 0.05: binary KL of 0.5 → 0.7 is 0.5 ln(0.5/0.7) + 0.5 ln(0.5/0.3) = 0.0872 > δ (masked);
     # 0.5 → 0.55: 0.00501 < δ (kept)
     logp.grad = None
-    loss, m = grpo.policy_loss(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.05, eps_high=0.05, agg="token_mean",
+    loss, m = with_means(logp, old, torch.tensor([1.0], **f64), mask, eps_low=0.05, eps_high=0.05, agg="token_mean",
                                pg_loss="dppo_kl")
     assert m["clip_high"] == 0.5 and loss.item() == pytest.approx(-1.1 / 2)
     # SAPO at ρ = 1: value 4/τ · ½ · Â = 2Â/τ, gradient exactly Â (4σ(1 − σ) = 1); τ_pos for Â > 0, τ_neg else
@@ -593,7 +602,7 @@ def test_2026_objectives_by_hand():
     # GMPO, ε = 0.4, Â = 1: log-ratios 0.1 and 0.6 (clipped to 0.4) → value e^((0.1 + 0.4)/2) = e^0.25; only the
     # unclipped token carries the gradient, −e^0.25/2
     lp = torch.tensor([[0.1, 0.6]], **f64).requires_grad_()
-    loss, m = grpo.policy_loss(lp, zeros, torch.tensor([1.0], **f64), mask, eps_low=0.4, eps_high=0.4, pg_loss="gmpo")
+    loss, m = with_means(lp, zeros, torch.tensor([1.0], **f64), mask, eps_low=0.4, eps_high=0.4, pg_loss="gmpo")
     loss.backward()
     assert loss.item() == pytest.approx(-math.exp(0.25)) and m["clip_high"] == 0.5
     torch.testing.assert_close(lp.grad, torch.tensor([[-math.exp(0.25) / 2, 0.0]], **f64))
@@ -604,7 +613,7 @@ def test_2026_objectives_by_hand():
     loss.backward()
     assert loss.item() == pytest.approx(0.045 + 0.6) and lp.grad.item() == pytest.approx(2.3)
     with pytest.raises(ValueError, match="gmpo takes token ratios"):
-        grpo.policy_loss(lp, zeros[:, :1], torch.zeros(1, **f64), mask[:, :1], pg_loss="gmpo", ratio_level="sequence")
+        grpo.check_settings(pg_loss="gmpo", ratio_level="sequence")
 
 
 def test_cov_select_by_hand_and_loop():

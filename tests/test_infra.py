@@ -49,7 +49,7 @@ def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, mo
     monkeypatch.setattr(train, "optimizer_step", capture)
     reduce = group.foreach_reduce  # FSDP2's reduce-scatter of one module's gradients (a copy on one rank)
     monkeypatch.setattr(group, "foreach_reduce", lambda *a, **kw: reductions.append(1) or reduce(*a, **kw))
-    n_micro = len(infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens))
+    n_micro = len(infra.micro_batches(prompts, comps, run.cfg.micro_batch_tokens)[0])
     for model in (run.model, sharded):
         opt, sched = train.make_optimizer(dataclasses.replace(run, model=model), 1e-3, 10)
         train.sft_update(dataclasses.replace(run, model=model), opt, sched, prompts, comps)

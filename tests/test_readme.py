@@ -82,3 +82,15 @@ def test_the_first_real_checkpoint_command_runs_as_written(tmp_path, hf_folder, 
     out = next(a.split("=", 1)[1] for a in first if a.startswith("--out_dir="))
     recs = [json.loads(ln) for ln in open(tmp_path / out / "metrics.jsonl")]
     assert [r["step"] for r in recs if "train/loss" in r] == [1, 2] and "config (the fields" in p.stdout
+
+
+def test_the_step_walk_points_at_the_lines_it_quotes():
+    """README's "One DAPO step" walk cites `file.py:N`: `code`; line N of that file holds that code."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    walk = text[text.index("## One DAPO step"):text.index("## Files")]
+    refs = re.findall(r"`(\w+\.py):(\d+)`: `([^`]+)`", walk.replace("\n   ", " "))
+    assert len(refs) >= 12, refs
+    for name, line, code in refs:
+        lines = open(os.path.join(ROOT, name), encoding="utf-8").read().splitlines()
+        assert code in lines[int(line) - 1], (name, line, code, [i + 1 for i, ln in enumerate(lines)
+                                                                 if code in ln])

@@ -7,7 +7,7 @@ import decode
 import rollout
 from decode import filter_logits, sample
 from model import KVCache, ModelConfig, Transformer
-from rollout import HeadLogProbs, completion_logprobs, generate, mix64, pad_batch, uniform
+from rollout import HeadLogProbs, completion_logprobs, generate, mix64, uniform
 
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
@@ -93,7 +93,7 @@ def test_recorded_logprobs_match_full_forward(T, k, p):
     m = tiny()
     r = generate(m, PROMPTS, 3, 12, T, k, p, stop_ids=STOP, seed=7)
     prompts = [PROMPTS[i // 3] for i in range(len(r.completion_ids))]
-    trainer, ent = completion_logprobs(m, prompts, pad_batch(rows_of(r)), T, k, p)  # the trainer's twin
+    trainer, ent = completion_logprobs(m, prompts, rows_of(r), T, k, p)  # the trainer's twin
     for i, comp in enumerate(rows_of(r)):
         logits = full_logits(m, PROMPTS[i // 3], comp)
         logp = filter_logits(logits, T, k, p).log_softmax(-1)  # [len, V]
@@ -234,7 +234,7 @@ def test_completion_logprobs_equal_the_full_logits_path_in_values_and_gradients(
     r = generate(m, PROMPTS, 2, 10, T, k, p, stop_ids=STOP, seed=3)
     comps, prompts = rows_of(r), [PROMPTS[i // 2] for i in range(len(r.completion_ids))]
     w = torch.randn(len(comps), max(map(len, comps)), dtype=torch.float64)  # a random upstream gradient
-    lp, _ = completion_logprobs(m, prompts, pad_batch(comps), T, k, p, lengths=[len(c) for c in comps])
+    lp, _ = completion_logprobs(m, prompts, comps, T, k, p)
     (lp * w).sum().backward()
     ours = [q.grad.clone() for q in m.parameters()]
     m.zero_grad()

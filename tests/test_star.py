@@ -77,7 +77,7 @@ def fake_rollouts(tr, outcomes, calls, monkeypatch):
     task."""
     pool = [tr.task.problem("rl", i)[1].prompt for i in range(tr.cfg.train_size)]
 
-    def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens, model=None):
+    def sample_groups(run, problems, G, temperature, keys, first=0, model=None):
         assert model is None  # no teacher: the policy samples
         calls.append([p.prompt for _, p in problems])
         out = []

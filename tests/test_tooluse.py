@@ -79,8 +79,8 @@ def test_results_are_forced_exactly_and_the_trainer_forward_gives_the_sampler_lo
         assert policy == want and calls == k
     assert sum(c > 0 for c in n_calls) >= 3 and sum(c == 0 for c in n_calls) >= 3  # a mixed batch
     assert r.tool_errors.sum() > 0 and (r.tool_errors <= r.tool_calls).all()
-    lp, _ = completion_logprobs(m, [p for p in PROMPTS for _ in range(8)], r.completion_ids, 1.0,
-                                lengths=r.lengths.tolist())
+    comps = [ids[:n] for ids, n in zip(r.completion_ids.tolist(), r.lengths.tolist())]
+    lp, _ = completion_logprobs(m, [p for p in PROMPTS for _ in range(8)], comps, 1.0)
     pol = r.policy_mask
     assert (r.logprobs[~pol] == 0).all() and pol.sum() < r.completion_mask.sum()
     assert torch.allclose(lp[pol], r.logprobs[pol], atol=2e-5)  # one fresh forward over the whole sequence
@@ -202,12 +202,12 @@ def test_forced_tokens_leave_the_loss_mask_the_normaliser_and_the_gradient():
     g = train.Group(0, 0, None, [1], comps, ["", ""], [torch.zeros(len(c)) for c in comps], [False, False],
                     [1.0, 0.0], policy=policy, tools=[[1, 0], [0, 0]])
     cfg.group_size = 2
-    batch = train.rank_batch(run, [g])
-    assert batch.mask[:2].tolist() == [policy[0], [True] + [False] * 7]
-    assert float(batch.normaliser) == 6  # policy tokens only (token_mean: their count)
-    logp = torch.zeros(3, 8, requires_grad=True)
-    loss, _ = grpo.policy_loss(logp, logp.detach(), torch.tensor([[1.0] * 8, [-1.0] * 8, [0.0] * 8]),
-                               batch.mask, agg="token_mean", loss_scale=batch.normaliser)
+    batch = train.rank_batch(cfg, run.proc, [g], run.task.tools)
+    assert batch.mask.tolist() == [policy[0], [True] + [False] * 7]
+    assert float(batch.norm) == 6  # policy tokens only (token_mean: their count)
+    logp = torch.zeros(2, 8, requires_grad=True)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), torch.tensor([[1.0] * 8, [-1.0] * 8]),
+                               batch.mask, agg="token_mean", loss_scale=batch.norm)
     loss.backward()
     assert (logp.grad[0, 5:] == 0).all() and (logp.grad[0, :5] != 0).all()
 

@@ -17,6 +17,7 @@ import checks
 import decode
 import grpo
 import infra
+import objective
 import rollout
 import tasks
 import train
@@ -79,23 +80,23 @@ def test_objective_names_the_paper():
     assert train.objective(train.Config(cov="kl")).startswith("DAPO + KL-Cov")
 
 
-def test_micro_batches_respect_budget_and_pad():
-    mb = infra.micro_batches([5, 5, 9, 2, 2, 2], budget=12)
-    assert mb == [[0, 1], [2], [3, 4, 5]]
-    assert infra.micro_batches([5], 12, n_micro=3) == [[0], [], []]
+def micro_batches(lengths: list[int], budget: int):
+    """infra.micro_batches of rows of these prompt + completion lengths (split 1 : rest)."""
+    return infra.micro_batches([[7] * min(n, 1) for n in lengths], [[5] * (n - 1) for n in lengths],
+                               budget)
 
 
-def test_rank_micro_batches_pack_rows_of_similar_length():
-    cfg = train.parse_args(["--config", SMOKE, "--micro_batch_tokens=40"])
-    run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None, None)
+def test_micro_batches_respect_budget_and_pack_rows_of_similar_length():
+    assert micro_batches([5, 5, 9, 2, 2, 2], budget=12) == ([[2], [0, 1], [3, 4, 5]], 0)
+    assert micro_batches([13], budget=12) == ([[0]], 0)  # a row alone may exceed the budget
+    assert micro_batches([], budget=12) == ([], 0)
     lengths = [2, 10, 3, 9, 2, 10, 3, 9]  # prompt + completion lengths, long and short rows interleaved
-    prompts, comps = [[1]] * 8, [[0] * (n - 1) for n in lengths]
-    plan = infra.rank_micro_batches(prompts, comps, run.cfg.micro_batch_tokens)
-    assert sorted(i for rows in plan for i in rows) == list(range(8))  # every row once
+    plan, pad = micro_batches(lengths, 40)
+    assert sorted(i for rows in plan for i in rows) == list(range(8)) and pad == 0  # every row once
     assert all(len(rows) * max(lengths[i] for i in rows) <= 40 for rows in plan)
     padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in plan)
-    consecutive = sum(len(r) * max(lengths[i] for i in r) for r in infra.micro_batches(lengths, 40))
-    assert plan == [[1, 5, 3, 7], [2, 6, 0, 4]] and padded == 52 < consecutive == 80  # 28 pad tokens fewer
+    # rows in their order, 40 tokens a micro-batch: [2, 10, 3, 9] and [2, 10, 3, 9], 4 × 10 each
+    assert plan == [[1, 5, 3, 7], [2, 6, 0, 4]] and padded == 52 < 80  # 28 pad tokens fewer
 
 
 def test_collectives_hand_the_backend_tensors_on_the_run_device(monkeypatch):
@@ -238,7 +239,7 @@ def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, 
         problems = [run.task.problem("rl", k) for k in range(3)]
         calls.clear()
         got[flag, threshold, minutes] = [(g.comps, g.scores)
-                                         for g in train.sample_groups(run, problems, 4, 1.0, (0, 1), 12)]
+                                         for g in train.sample_groups(run, problems, 4, 1.0, (0, 1))]
         assert bool(calls) == static, (flag, threshold, minutes, calls)
     first = got["false", 1, 0]
     assert all(v == first for v in got.values()) and any(len(c) > 1 for comps, _ in first for c in comps)
@@ -398,10 +399,12 @@ class FakeRun:
                              tasks.Task(cfg, train.build_char_tokenizer(tasks.CHARS), [2]))
         self.state, self.asked = train.TrainState(), []
 
-        def sample_groups(run, problems, G, temperature, seed_keys, max_new_tokens):
+        def sample_groups(run, problems, G, temperature, keys, first=0, model=None):
             self.asked.append([pid for pid, _ in problems])
-            return [train.Group(j, pid, p, [1], [[3]] * G, ["x"] * G, [torch.zeros(1)] * G, [False] * G,
-                                list(map(float, outcomes(pid)))) for j, (pid, p) in enumerate(problems)]
+            return [train.Group(pos=j, pid=pid, problem=p, prompt=[1], comps=[[3]] * G, texts=["x"] * G,
+                                logprobs=[torch.zeros(1)] * G, truncated=[False] * G,
+                                scores=list(map(float, outcomes(pid))), rewards=list(map(float, outcomes(pid))))
+                    for j, (pid, p) in enumerate(problems)]
         monkeypatch.setattr(train, "sample_groups", sample_groups)
 
     def collect(self, step):
@@ -530,8 +533,9 @@ def test_process_reward_puts_each_step_reward_at_its_last_token():
     run = train.Run(cfg, infra.Proc(0, 1, torch.device("cpu")), None, tasks.Task(cfg, tok, [2]))
     texts = ["1+2=3;3+4=8 #### 8", "1+2=4 #### 4"]  # step 1 right then wrong; one wrong step
     comps = [tok.encode(x, add_special_tokens=False).ids + [2] for x in texts]
-    g = train.Group(0, 0, None, [1], comps, texts, [], [False, False], [0.0, 0.0], rewards=[0.0, 0.0])
-    adv = train.advantages(run, [g])
+    g = train.Group(pos=0, pid=0, problem=None, prompt=[1], comps=comps, texts=texts, logprobs=[],
+                    truncated=[False, False], scores=[0.0, 0.0], rewards=[0.0, 0.0])
+    adv = objective.process_advantages(cfg, [g], torch.tensor(g.rewards), run.task)
     # steps: row 0 ends at chars 5 ("1+2=3") and 11 ("3+4=8"), rewards 1, 0, outcome 0 at token 18; row 1: 0 at 5,
     # outcome 0 at token 12. Over the group's 5 step rewards [1, 0, 0, 0, 0]: mean 0.2, std 0.4472
     norm = [(x - 0.2) / (0.4472136 + 1e-4) for x in (1, 0, 0, 0, 0)]

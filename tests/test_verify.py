@@ -496,7 +496,7 @@ CORRECTIONS = [  # (completion, its corrected answer: 1, the withdrawn one: 0)
      "2, 3"),  # a set answer corrected: the boxes since the retraction are the answer
     # hedge withdrawn
     ("\\boxed{12} or maybe \\boxed{14}. Hmm, let me recheck: only 14 works. \\boxed{14}", "14", "12"),
-    ("\\boxed{5}. Wait, wrong. \\boxed{6}. No, that's a mistake too: \\boxed{7}", "7", "6"),  # two withdrawn: the cap
+    ("\\boxed{5}. Wait, wrong. \\boxed{6}. No, that's a mistake too: \\boxed{7}", "7", "6"),  # two withdrawn
 ]
 HEDGED = [  # (completion, gold): nothing withdraws the earlier answer, or the last one is doubted: 0 for any gold
     ("\\boxed{12} or maybe \\boxed{14}", "14"), ("\\boxed{12} (or possibly \\boxed{14})", "14"),
@@ -536,14 +536,18 @@ def test_a_hedge_earns_nothing(completion, gold):
         assert reward(completion, g) == 0.0
 
 
-def test_enumerating_retracted_answers_earns_nothing():
-    """Listing candidates and 'retracting' all but one: at most two different answers may be withdrawn."""
+def test_enumerating_retracted_answers_earns_only_the_last():
+    """Listing candidates and 'retracting' all but the last: only the last commitment is ever paid, so such a
+    completion earns what its last answer alone earns and never a withdrawn one (the cap of two withdrawn
+    answers is gone: it bought nothing, see test_verify_cases.test_no_completion_is_paid_for_two_answers)."""
     for k in range(1, 9):
         wrong = "".join(f"\\boxed{{{i}}} is wrong. " for i in range(k))
-        assert reward(wrong + "\\boxed{42}", "42") == (1.0 if k <= 2 else 0.0), k  # the third withdrawal ends it
+        assert reward(wrong + "\\boxed{42}", "42") == 1.0, k
+        assert all(reward(wrong + "\\boxed{42}", str(i)) == 0.0 for i in range(k)), k  # a withdrawn one: never
     assert reward("\\boxed{7} is wrong. \\boxed{7} is wrong again. \\boxed{7}, wrong. \\boxed{42}", "42") == 1.0
     listed = "".join(f"\\boxed{{{i}}}" + (" is wrong. " if i != 42 else ". ") for i in range(38, 46))
-    assert reward(listed, "42") == 0.0 and reward(listed + "\\boxed{42}", "42") == 0.0  # the right one in the middle
+    assert reward(listed, "42") == 0.0  # the last one retracted: the right one in the middle earns nothing
+    assert reward(listed + "\\boxed{42}", "42") == 1.0 and reward(listed + "\\boxed{42}", "45") == 0.0
     assert reward("\\boxed{41} wrong \\boxed{43} wrong \\boxed{42} wrong", "42") == 0.0  # and all retracted
 
 

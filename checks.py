@@ -135,6 +135,8 @@ RULES = [
      and not (c.rationalize and c.algo == "star"),
      "countdown has no answer hint: set rationalize = false and hint_sft_frac = 0 "
      "(got {rationalize}, {hint_sft_frac}, {algo})"),
+    (("scorer_timeout",), lambda c: c.scorer_timeout > 0,
+     "{scorer_timeout} must be > 0 (seconds a scorer call may take)"),
 ]
 POSITIVE = ("max_new_tokens", "prompts_per_step", "max_sample_tries", "ppo_epochs",
             "micro_batch_tokens", "eval_n", "eval_k", "eval_batch", "max_operand",
@@ -196,6 +198,9 @@ def check_files(cfg):
     for key in ("init_from", "teacher"):
         if getattr(cfg, key, ""):
             check_folder(cfg, key, getattr(cfg, key))
+    if getattr(cfg, "scorer", ""):  # importable, a function
+        import tasks
+        tasks.load_scorer(cfg.scorer)
 
 
 def check_folder(cfg, key: str, path: str):

@@ -62,7 +62,7 @@ class Config:
                                         #   at every step, always right ([a*b]{c}); the rest mental
     # --- tools (tooluse.py): results join the row as forced tokens, masked from every loss
     tools: str = ""                     # "" (off) | calculator (tooluse.TOOLS)
-    max_tool_calls: int = 4             # calls answered per completion; later ones are plain text
+    max_tool_calls: int = 4             # calls answered per completion; one more ends it
     max_tool_tokens: int = 24           # tokens of one result's text (cut), its wrapper apart
     rl_min_ops: int = 2                 # synthetic difficulty of the RL prompts
     rl_max_ops: int = 4
@@ -78,6 +78,10 @@ class Config:
     rg_size: int = 10000                # reasoning_gym: the size of ONE dataset (seed eval_seed)
     rg_heldout: int = 500               # reasoning_gym: indices [0, rg_heldout) are held out
                                         #   (eval_n of them evaluated), training draws the rest
+    scorer: str = ""                    # "module:function", a scorer(completion, problem) -> float
+                                        #   in [0, 1] in place of the task's (tasks.Scorer)
+    scorer_timeout: float = 10.0        # seconds a call of a scorer outside verify.py may take
+                                        #   (reasoning-gym's, `scorer`); over it: 0, counted
     # --- supervised cold start (DeepSeek-R1 §2.3.1)
     sft_steps: int = 800
     sft_batch_size: int = 64

@@ -39,10 +39,9 @@ SCALES = ("group", "batch", "none", "rloo", "reinforce_pp", "maxrl")
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     # [N] -> [P, G]; rows are prompt-major so a plain view puts each group on one row
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-d [N], got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"N={rewards.numel()} is not divisible by group_size={group_size}")
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-d [N] with N divisible by group_size={group_size} "
+                         f"(got shape {tuple(rewards.shape)}: not 1-d or not divisible)")
     return rewards.float().view(-1, group_size)
 
 
@@ -89,10 +88,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return adv.view(-1)
 
 
-def keep_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling: rewards [N] -> bool [N/G], True where a group's rewards differ."""
-    r = _grouped(rewards, group_size)
-    return (r.amax(1) - r.amin(1)) > 0
+def keep_groups(rewards) -> list[bool]:
+    """DAPO dynamic sampling (§3.2): each group's rewards -> True where they differ (a group whose
+    rewards are all equal has Â = 0: it teaches nothing)."""
+    return [max(r) > min(r) for r in rewards]
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:

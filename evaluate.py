@@ -7,13 +7,15 @@ as a command line.
      eval_n of reasoning-gym's held-out pool, split as in training: tasks.py step 5), sample one
      greedy completion and eval_k at `temperature` (with top_k / top_p), eval_batch problems at a
      time, with a progress line and ETA.
-  3. Print greedy pass@1, sampled pass@1, maj@k (the most frequent extracted answer of the k
-     samples), answer rate (sampled, greedy), mean completion length, truncation rate (no stop token
-     within max_new_tokens), pass@1 per level and, for a composite reasoning-gym dataset,
-     per member.
+  3. Print greedy pass@1, sampled pass@1, both again counting only completions that ended at a
+     stop token ("stopped": a right answer cut off by max_new_tokens is not a finished solution),
+     maj@k (the most frequent extracted answer of the k samples), answer rate (sampled, greedy),
+     mean completion length, truncation rate (no stop token within max_new_tokens), pass@1 per
+     level and, for a composite reasoning-gym dataset, per member.
   4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem,
      kind (greedy | sampled), prompt (the rendered prompt text, exactly what was tokenized),
-     completion, answer (extracted, or null), gold, correct, truncated. With tools the completion
+     completion, answer (extracted, or null), gold, correct, truncated, finish (how the sample
+     ended: stop, length, tool_limit, nonfinite; rollout.FINISH). With tools the completion
      holds each call and its forced result ("[37*48]{1776}").
   5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a
      call is then plain text: no result). The table adds, over the sampled completions: tool calls
@@ -41,7 +43,9 @@ import cli
 import infra
 import train
 
-ROWS = [("pass@1", "pass@1 greedy"), ("pass@1_sampled", "pass@1 sampled"), ("maj@k", "maj@k"),
+ROWS = [("pass@1", "pass@1 greedy"), ("pass@1_sampled", "pass@1 sampled"),
+        ("completed_pass@1", "pass@1 greedy, stopped"),
+        ("completed_pass@1_sampled", "pass@1 sampled, stopped"), ("maj@k", "maj@k"),
         ("answer_rate", "answer rate"), ("answer_rate_greedy", "answer rate greedy"),
         ("answered_accuracy", "greedy pass@1 / answered"),
         ("completion_len", "mean length (tokens)"),
@@ -65,7 +69,7 @@ def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float,
     out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}"
             for key, name in ROWS]
     out += [f"  {key[5:].replace('_', ' '):24s}{v:10.3f}"
-            for key, v in rec.items() if "tool" in key]
+            for key, v in rec.items() if "tool" in key or "scorer" in key]
     out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
     out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}"
             f"{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"

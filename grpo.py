@@ -43,7 +43,7 @@ class Ratios(NamedTuple):
     """What every surrogate reads: [N, L] tensors and the loss's hyper-parameters."""
     ratio: torch.Tensor      # ρ_t (GSPO: s_i on each token, with the token's gradient)
     log_ratio: torch.Tensor  # log ρ_t, 0 on padding
-    adv: torch.Tensor        # Â_t: Â_i broadcast over the row, in logp's dtype
+    adv: torch.Tensor        # Â_t [n, L], or Â_i [n, 1] broadcast over the row; logp's dtype
     valid: torch.Tensor      # bool: the loss tokens
     logp: torch.Tensor       # log π_θ(o_t), 0 on padding
     old_logp: torch.Tensor   # log π_old(o_t), as given
@@ -119,8 +119,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     the shapes by check_shapes (a trainer's tensors have them by construction) -> (loss,
     LossTerms)."""
     valid = mask != 0                                                                    # [n, L]
-    adv = advantages.to(logp.dtype)
-    adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(logp)                       # [n, L]
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype)  # [n, 1|L]
     # the log-ratio is 0 on padding before exp: garbage there cannot become inf, then NaN ∇
     tok_log_ratio = torch.where(valid, logp - old_logp, 0.0)                              # [n, L]
     count = valid.sum(1, keepdim=True).clamp(min=1)                                       # [n, 1]

@@ -7,7 +7,10 @@ them, is what it prevents).
    on every rank when it is not 0 or the (global) gradient norm is not finite;
 3. name_bad_rows, after a skipped step: the console names the step, the rank and the rows of each
    non-finite micro-batch;
-4. count_bad_steps: main counts consecutive bad steps (train/bad_steps, on bad steps) and stops
+4. infra.check_weights, after every optimizer step: one all-reduce of the non-finite parameter
+   count; a non-finite weight stops the run on every rank before any sampler reads it (the
+   sampling copy, the asynchronous samplers' broadcast, or the policy itself);
+5. count_bad_steps: main counts consecutive bad steps (train/bad_steps, on bad steps) and stops
    after max_bad_steps with an error; checkpoints are written only after good steps, so the newest
    one on disk is good.
 

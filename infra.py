@@ -214,6 +214,21 @@ def compiled_sampling(cfg) -> bool | None:
     return cfg.cpu_compile == "true" or auto or None
 
 
+@torch.no_grad()
+def check_weights(model, sampler, out_dir: str):
+    """No non-finite weight reaches a sampler: this rank's non-finite parameter count (its shards
+    under FSDP2) summed over ranks in one all-reduce must be 0, else a RuntimeError on every rank;
+    then the sampler's copy (if any) is stale: sampling gathers it first."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())  # shards
+    bad = all_sum(sum((~x.isfinite()).sum() for x in local))
+    if bad:
+        raise RuntimeError(f"{int(bad)} of the policy's weights are not finite after an optimizer "
+                           "step: no sampler gets them; the last good checkpoint is intact in "
+                           f"{out_dir} (a lower lr or grad_clip, or the data, is where to look)")
+    if sampler is not None:
+        sampler.stale = True
+
+
 def sampling(copy, model):
     """generate's module: `model`, or its copy, re-gathered if stale (every rank calls: all gather
     or none does)."""

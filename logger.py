@@ -65,6 +65,10 @@ class Logger:
                 if k.startswith("eval/") and "_L" not in k), flush=True)
         eta = (time.time() - self.t0) / max(1, step - self.first_step) * (self.total_steps - step)
         cols = " ".join(f"{name} {rec[k]:{fmt}}" for k, name, fmt in CONSOLE if k in rec)
+        # an outside scorer's failures, loudly: each scored 0 (tasks.Scorer)
+        failed = ", ".join(f"{v:.0f} {k.split('_')[-1]}" for k, v in rec.items()
+                           if k.startswith("train/scorer_") and v)
+        cols += f" | SCORER FAILED: {failed}" if failed else ""
         print(f"step {step:5d} {stage:3s} | {cols} | eta {eta / 60:.1f} min", flush=True)
 
     def samples(self, step: int, rows: list[tuple]):

@@ -153,12 +153,27 @@ def save_adapter(path: str, model: nn.Module, state: dict, base: str):
 
 @torch.no_grad()
 def load_adapter(model: nn.Module, path: str):
-    """A and B from checkpoint folder `path`'s adapter/ into a wrapped, unsharded model; every
-    adapter must be there, with its shape (an error names the file and the tensor)."""
+    """A and B from checkpoint folder `path`'s adapter/ into a wrapped, unsharded model: the saved
+    rank, alpha and targets (adapter_config.json) must be the model's, every adapter there with its
+    shape and none left over (an error names the file, the setting or the tensor)."""
     fname = os.path.join(path, ADAPTER_DIR, "adapter_model.safetensors")
     if not os.path.exists(fname):
         raise FileNotFoundError(f"{fname} is missing: the checkpoint holds no LoRA adapter")
+    config = os.path.join(path, ADAPTER_DIR, "adapter_config.json")
+    with open(config) as f:
+        kept = json.load(f)
+    info = model.lora
+    for key, ours in (("r", info["r"]), ("lora_alpha", info["alpha"]),
+                      ("target_modules", info["targets"])):
+        if kept.get(key) != ours:  # a resume with other LoRA settings would load another model
+            raise ValueError(f"{config}: {key} = {kept.get(key)!r}, but this run's is {ours!r} "
+                             "(lora_rank, lora_alpha, lora_targets must be the checkpoint's)")
     saved = load_file(fname)
+    extra = set(saved) - {f"{PEFT_PREFIX}{name}.{key}.weight" for name in adapters(model)
+                          for key in ("lora_A", "lora_B")}
+    if extra:
+        raise KeyError(f"{fname}: {len(extra)} tensors no adapter of this model takes, e.g. "
+                       f"{min(extra)!r}")
     for name, m in adapters(model).items():
         for key in ("lora_A", "lora_B"):
             k, p = f"{PEFT_PREFIX}{name}.{key}.weight", getattr(m, key)

@@ -54,6 +54,9 @@ WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded u
 # completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
 LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
+# how a row ended (Rollout.finish): a stop token; max_new_tokens; a tool call past max_tool_calls
+# (tooluse.py); logits that were not finite
+FINISH = ("stop", "length", "tool_limit", "nonfinite")
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Rollout:
     policy_mask: torch.Tensor      # [N, L] bool, sampled tokens (False on a tool's forced tokens)
     tool_calls: torch.Tensor       # [N] long, tool calls answered (tooluse.py); 0 without tools
     tool_errors: torch.Tensor      # [N] long, of which answered with an error
+    finish: torch.Tensor           # [N] long, how the row ended: FINISH[finish]
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
@@ -268,17 +272,20 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     truncated = torch.zeros_like(nonfinite).index_put_((rows,), live) | nonfinite  # no stop token
     n = int(mask.sum(1).max())  # the longest completion
     return Rollout(ids[:, :n], mask[:, :n], logps[:, :n], truncated, mask.sum(1), seeds, nonfinite,
-                   mask[:, :n], *torch.zeros(2, P * G, dtype=torch.long, device=dev))  # no tools
+                   mask[:, :n], *rows.new_zeros(2, P * G), truncated + 2 * nonfinite)  # FINISH
 
 
 def finish(ids, mask, logprobs, truncated, seeds, nonfinite, policy, calls=None,
-           errors=None) -> Rollout:
-    """A call's [N, ...] outputs as a Rollout, cut to the longest completion."""
+           errors=None, limited=None) -> Rollout:
+    """A call's [N, ...] outputs as a Rollout, cut to the longest completion; limited [N] bool:
+    rows ended at a tool call past the limit."""
     lengths = mask.sum(1)
     n = int(lengths.max())  # the longest row: the steps that produced a token
     calls, errors = (torch.zeros_like(lengths), ) * 2 if calls is None else (calls, errors)
+    ended = truncated + 2 * nonfinite  # FINISH's codes
+    ended = ended if limited is None else ended.masked_fill(limited & ~truncated, 2)
     return Rollout(ids[:, :n].clone(), mask[:, :n].clone(), logprobs[:, :n].clone(), truncated,
-                   lengths, seeds, nonfinite, policy[:, :n].clone(), calls, errors)
+                   lengths, seeds, nonfinite, policy[:, :n].clone(), calls, errors, ended)
 
 
 def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, seeds, noise,
@@ -349,9 +356,9 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token
     nonfinite = out.nonfinite[:N] > 0
-    calls, errors = session.counts(dev) if session else (None, None)
+    calls, errors, limited = session.counts(dev) if session else (None, None, None)
     return finish(out.ids[:N], out.mask[:N], out.logprobs[:N], live | nonfinite, seeds, nonfinite,
-                  out.policy[:N], calls, errors)
+                  out.policy[:N], calls, errors, limited)
 
 
 def main():

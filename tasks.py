@@ -36,7 +36,9 @@ draws from.
 Tests: python -m pytest -q tests/test_tasks.py
 """
 import functools
+import importlib
 import json
+import multiprocessing
 import operator
 import random
 import re
@@ -230,13 +232,102 @@ def rg_problem(item: dict, composite: bool) -> Problem:
 
 def rg_reward(dataset, completion: str, p: Problem) -> float:
     """1.0 iff the dataset's score_answer gives the final committed answer full marks (step 5 of the
-    docstring)."""
+    docstring). It runs in a Scorer: an exception there scores 0 and is counted."""
     answer = extract_answer(completion)
+    return float(answer is not None and dataset.score_answer(answer, p.entry) >= 1)
+
+
+def load_scorer(spec: str):
+    """`scorer = "module:function"` -> the function (its module importable from the working
+    directory or PYTHONPATH: a Scorer's worker imports it by name)."""
+    module, _, name = spec.partition(":")
     try:
-        return float(answer is not None and dataset.score_answer(answer, p.entry) >= 1)
-    # a scorer that trips over a model's odd answer (its own parsing) scores it 0, as a wrong one
-    except Exception:
+        fn = getattr(importlib.import_module(module), name) if module and name else None
+    except ImportError as e:
+        raise UserError(f"scorer = {spec!r}: cannot import {module!r}: {e}") from None
+    except AttributeError:
+        fn = None
+    if not callable(fn):
+        raise UserError(f"scorer = {spec!r}: want \"module:function\", a function "
+                        "scorer(completion: str, problem: tasks.Problem) -> float in [0, 1]")
+    return fn
+
+
+def _serve(conn, fn):
+    """A Scorer's worker: (completion, problem) -> (True, score) or (False, the exception)."""
+    conn.send("ready")
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:  # the trainer has gone
+            return
+        try:
+            conn.send((True, float(fn(*args))))
+        except Exception as e:
+            conn.send((False, f"{type(e).__name__}: {e}"[:300]))
+
+
+class Scorer:
+    """A scorer outside verify.py (a reasoning-gym dataset's score_answer, a user's `scorer`) in a
+    worker process, so that none can stall or silently zero a run (a thread cannot be stopped):
+    each call has `timeout` seconds; past it the worker is killed and a fresh one takes the next
+    call. A timeout, an exception, a dead worker or a score outside [0, 1] scores 0 and is counted
+    (take_failures); the first of each kind is printed. The worker is forked from a fork server
+    (spawned where there is none), never from this process and its threads."""
+
+    STARTUP_S = 120.0  # a worker that has not started by then is an error, not a wait
+
+    def __init__(self, fn, timeout: float):
+        self.fn, self.timeout, self.worker, self.conn = fn, timeout, None, None
+        self.failed, self.seen = {"timeouts": 0, "errors": 0}, set()
+
+    def __call__(self, completion: str, p: Problem) -> float:
+        if self.worker is None:
+            self.start()
+        self.conn.send((completion, p))
+        if not self.conn.poll(self.timeout):
+            self.stop()
+            return self.fail("timeouts", f"no score within scorer_timeout = {self.timeout} s")
+        try:
+            ok, value = self.conn.recv()
+        except EOFError:  # the worker died (a crash, an exit inside the scorer)
+            self.stop()
+            return self.fail("errors", "the scorer's worker died")
+        if not ok or not 0 <= value <= 1:  # NaN fails both
+            return self.fail("errors", value if not ok else f"score {value} outside [0, 1]")
+        return value
+
+    def fail(self, kind: str, why: str) -> float:
+        self.failed[kind] += 1
+        if kind not in self.seen:
+            self.seen.add(kind)
+            print(f"warning: scorer {getattr(self.fn, '__name__', self.fn)!r}: {why}; scored 0 "
+                  f"(counted in scorer_{kind}; first of its kind)", flush=True)
         return 0.0
+
+    def take_failures(self) -> dict:
+        """{"scorer_timeouts": n, "scorer_errors": n} since the last take."""
+        out = {f"scorer_{k}": v for k, v in self.failed.items()}
+        self.failed = dict.fromkeys(self.failed, 0)
+        return out
+
+    def start(self):
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        self.conn, child = ctx.Pipe()
+        self.worker = ctx.Process(target=_serve, args=(child, self.fn), daemon=True)
+        self.worker.start()
+        child.close()
+        if not self.conn.poll(self.STARTUP_S):
+            self.stop()
+            raise RuntimeError(f"the scorer's worker did not start within {self.STARTUP_S} s")
+        self.conn.recv()
+
+    def stop(self):
+        self.worker.kill()
+        self.worker.join()
+        self.conn.close()
+        self.worker = self.conn = None
 
 
 def verified(completion: str, p: Problem) -> float:
@@ -313,9 +404,13 @@ class Task:
                              "math, reasoning_gym")
         self.heldout_prompts = {p.prompt for p in self.heldout}
         self.tools = tooluse.toolbox(cfg, tok, self.tok_config)  # None without tools
-        # score(completion, problem) -> the verifier's 0/1: the task's own scorer, else verify.py's
-        self.score = functools.partial(rg_reward, self.rg) if cfg.task == "reasoning_gym" else \
-            countdown_reward if cfg.task == "countdown" else verified
+        # score(completion, problem) -> the verifier's 0/1: the task's own scorer, else verify.py's;
+        # one from outside the project (a user's, reasoning-gym's) runs in a Scorer's worker
+        self.score = countdown_reward if cfg.task == "countdown" else verified
+        if cfg.task == "reasoning_gym" or cfg.scorer:
+            fn = load_scorer(cfg.scorer) if cfg.scorer else functools.partial(rg_reward, self.rg)
+            self.score = Scorer(fn, cfg.scorer_timeout)
+        self.outside = isinstance(self.score, Scorer)
 
     def problem(self, stage: str, k: int) -> tuple[int, Problem]:
         """The k-th training problem of a stage's stream -> (problem id, problem); held-out prompts

@@ -15,9 +15,11 @@ The protocol (rollout.generate(tools=Toolbox), decode.record):
      tool message after an assistant turn (Qwen2.5: "<|im_end|>\\n<|im_start|>user\\n<tool_response>
      \\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"), so the row's tokens are
      exactly the conversation's. The wrapper's text is found by rendering once (chat_wrapper).
-  4. Bounds: max_tool_calls answered calls a row (a later close marker is left unanswered: plain
-     text); a result's body is cut to max_tool_tokens tokens (the wrapper apart); max_new_tokens
-     counts every token of the row, forced ones too (the row is what the trainer forwards).
+  4. Bounds: max_tool_calls answered calls a row (a call past them ends the row there: finish
+     reason "tool_limit"; a close marker without an open one is plain text); a result's body is
+     cut to max_tool_tokens tokens (the wrapper apart); max_new_tokens counts every token of the
+     row, forced ones too (the row is what the trainer forwards). A demonstration (policy_mask)
+     is read the same way up to the limit; its later calls are plain text.
 The trainer scores the row in one forward (rollout.completion_logprobs) and counts only policy
 tokens in every loss, normaliser, KL, TIS weight, entropy, OPD term and sampler-trainer gap
 (train.rank_batch).
@@ -175,7 +177,7 @@ class Session:
 
     def __init__(self, box: Toolbox, rows: int):
         self.box = box
-        self.calls, self.errors = [0] * rows, [0] * rows
+        self.calls, self.errors, self.limited = [0] * rows, [0] * rows, [False] * rows
 
     def answer(self, d):
         """After a token: every row that has just sampled a close marker gets its result queued."""
@@ -183,10 +185,13 @@ class Session:
             return
         t = int(d.t)  # the token just written is at t - 1
         for b in d.called.nonzero()[:, 0].tolist():
-            r = int(d.rows[b])
-            got = (self.box.answer(d.out.ids[r, :t].tolist())
-                   if self.calls[r] < self.box.max_calls else None)
-            if got is None:  # no open marker since the last call, or no calls left: plain text
+            r, ids = int(d.rows[b]), d.out.ids[int(d.rows[b]), :t].tolist()
+            if self.calls[r] >= self.box.max_calls:  # a call past the limit ends the row there
+                if self.box.call_start(ids) is not None:
+                    d.live[b], self.limited[r] = False, True
+                continue
+            got = self.box.answer(ids)
+            if got is None:  # no open marker since the last call: plain text
                 continue
             forced, error, _ = got
             self.calls[r], self.errors[r] = self.calls[r] + 1, self.errors[r] + error
@@ -194,9 +199,10 @@ class Session:
             d.queue[b, :n] = torch.tensor(forced[:n], device=d.queue.device)
             d.qpos[b], d.qlen[b] = 0, n
 
-    def counts(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(torch.tensor(x, dtype=torch.long, device=device)
-                     for x in (self.calls, self.errors))
+    def counts(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N] calls answered, of them errors, and whether a call past the limit ended the row."""
+        return tuple(torch.tensor(x, dtype=dtype, device=device) for x, dtype in (
+            (self.calls, torch.long), (self.errors, torch.long), (self.limited, torch.bool)))
 
 
 def add_to_groups(groups: list, ro, G: int):

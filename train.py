@@ -49,7 +49,7 @@ import tooluse
 import verify
 from logger import Logger
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
-from rollout import STOP_NAMES, completion_logprobs, generate, pad_batch
+from rollout import FINISH, STOP_NAMES, completion_logprobs, generate, pad_batch
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Group:
     truncated: list[bool]               # no stop token within max_new_tokens
     scores: list[float]                 # the verifier's score of each completion
     rewards: list[float] = field(default_factory=list)  # shaped rewards (shaped_rewards)
-    nonfinite: int = 0                  # samples ended at non-finite logits (Rollout.nonfinite)
+    finish: list[str] = field(default_factory=list)  # how each sample ended: rollout.FINISH
     policy: list = field(default_factory=list)  # G policy masks (False: a tool's forced tokens)
     tools: list = field(default_factory=list)   # G (tool calls, errors); both empty: no tools
 
@@ -180,7 +180,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
         groups.append(Group(
             pos=j, pid=pid, problem=p, prompt=prompts[a], comps=comps[rows], texts=texts[rows],
             logprobs=lps[rows], truncated=ro.truncated[rows].tolist(), scores=scores,
-            rewards=list(scores), nonfinite=int(ro.nonfinite[rows].sum())))
+            finish=[FINISH[c] for c in ro.finish[rows].tolist()], rewards=list(scores)))
     if task.tools and groups:  # each sample's policy mask, calls and errors (tooluse.py)
         tooluse.add_to_groups(groups, ro, G)
     return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
@@ -208,9 +208,9 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
                 g.rewards = shaped_rewards(cfg, g)
         if cfg.skip_saturated_k:
             remember_saturated(state, groups, cfg.skip_saturated_k)
-        spread = [True] * n if not cfg.dynamic_sampling else credit.keep_groups(
-            torch.tensor([r for g in groups for r in g.rewards]), G).tolist()  # rewards differ
-        kept, seen = kept + [g for g, s in zip(groups, spread) if s], seen + groups
+        # DAPO: the groups whose rewards differ (the others have Â = 0)
+        keep = credit.keep_groups(g.rewards for g in groups) if cfg.dynamic_sampling else [True] * n
+        kept, seen = kept + [g for g, k in zip(groups, keep) if k], seen + groups
         if len(kept) >= P:
             break
         n = min(4 * P, math.ceil((P - len(kept)) / max(len(kept) / len(seen), 0.25)))
@@ -219,11 +219,20 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
              "train/accuracy": sum(sum(g.scores) for g in seen) / samples,
              "train/kept_groups_frac": len(kept) / len(seen), "train/sample_tries": tries + 1,
              "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
-             "train/skip_rate": skipped / (len(seen) + skipped),
+             "train/skip_rate": skipped / (len(seen) + skipped), "time/rollout_s": seconds,
              "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
-             "train/nonfinite_rows": sum(g.nonfinite for g in seen), "time/rollout_s": seconds,
+             "train/nonfinite_rows": sum(g.finish.count("nonfinite") for g in seen),
              "time/sample_tok_per_s": sum(len(c) for g in kept[:P] for c in g.comps) / seconds}
+    stats |= {f"train/finish_{r}": sum(g.finish.count(r) for g in seen) / samples for r in FINISH}
+    if run.task.outside:  # reasoning-gym's or a user's scorer: its timeouts and errors
+        stats |= scorer_failures(run.task.score, "train/")
     return kept[:P], {**stats, **(tooluse.metrics(seen, "train/") if run.task.tools else {})}
+
+
+def scorer_failures(scorer: tasks.Scorer, prefix: str) -> dict:
+    """An outside scorer's timeouts and errors since the last call, summed over ranks."""
+    counts = scorer.take_failures()
+    return dict(zip((prefix + k for k in counts), infra.all_sum(list(counts.values())).tolist()))
 
 
 def shaped_rewards(cfg: Config, g: Group) -> list[float]:
@@ -315,12 +324,11 @@ def optimizer_step(run: Run, opt, losses: list[torch.Tensor] = ()) -> torch.Tens
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     bad = torch.stack([~torch.isfinite(x) for x in losses]).sum() if losses else torch.zeros(())
     norm = torch.where(infra.all_sum(bad.float()) == 0, norm, math.nan)
-    ok = bool(torch.isfinite(norm))
-    if not ok:  # skipped: without gradients the step below changes nothing, and torch's LR
-        opt.zero_grad(set_to_none=True)  # scheduler sees the optimizer step it expects first
+    if not torch.isfinite(norm):  # skipped: without gradients the step below changes nothing,
+        opt.zero_grad(set_to_none=True)  # and torch's LR scheduler sees the step it expects first
     opt.step()
-    if ok and run.sampler is not None:  # generate's copy: gathered before the next sampling
-        infra.refresh(run.sampler, run.model, lazy=True)
+    # no non-finite weight reaches a sampler (one all-reduce); its copy is gathered before sampling
+    infra.check_weights(run.model, run.sampler, run.cfg.out_dir)
     opt.zero_grad(set_to_none=True)
     return norm
 
@@ -420,7 +428,11 @@ def eval_row(g: Group, s: Group, k: int) -> dict:
             "completion_len": sum(map(len, s.comps)) / k,
             "answer_rate": sum(a is not None for a in answers) / k,
             "answer_rate_greedy": float(verify.extract_answer(g.texts[0]) is not None),
-            "truncated_frac": sum(s.truncated) / k}
+            "truncated_frac": sum(s.truncated) / k,
+            # a right answer that did not end at a stop token is not a finished solution
+            "completed_pass@1": g.scores[0] * (g.finish[0] == "stop"),
+            "completed_pass@1_sampled": sum(c for c, f in zip(s.scores, s.finish) if f == "stop")
+            / k}
 
 
 def evaluate(run: Run, step: int, logger: Logger | None = None,
@@ -445,8 +457,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
                 samples += [{"problem": c0 + x.pos, "kind": kind,
                              "prompt": run.task.prompt_text(x.problem), "completion": t,
                              "answer": verify.extract_answer(t), "gold": x.problem.gold,
-                             "correct": sc >= 1, "truncated": cut}
-                            for t, sc, cut in zip(x.texts, x.scores, x.truncated)]
+                             "correct": sc >= 1, "truncated": cut, "finish": f}
+                            for t, sc, cut, f in zip(x.texts, x.scores, x.truncated, x.finish)]
         shown, tried = shown + greedy, tried + sampled
         if run.proc.rank == 0 and len(probs) > cfg.eval_batch:  # a long eval shows its progress
             n, dt = min(len(probs), c0 + cfg.eval_batch), time.time() - t0
@@ -462,6 +474,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
     answered = rec["eval/answer_rate_greedy"]  # accuracy among the answered: format apart
     rec["eval/answered_accuracy"] = rec["eval/pass@1"] / answered if answered else 0.0
     tools = tooluse.metrics(tried, "eval/") if run.task.tools else {}
+    if run.task.outside:  # the outside scorer's timeouts and errors in this evaluation
+        rec |= scorer_failures(run.task.score, "eval/")
     return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec, **tools}
 
 

@@ -93,6 +93,7 @@ CASES = [  # (config class, overrides, the exact message)
     (star.StarConfig, dict(STAR, hint_sft_frac=1.5), "hint_sft_frac = 1.5 must be in [0, 1]"),
     (star.StarConfig, dict(STAR, task="countdown"), "countdown has no answer hint: set rationalize = false and "
      "hint_sft_frac = 0 (got rationalize = True, hint_sft_frac = 0.0, algo = 'star')"),
+    (train.Config, dict(scorer_timeout=0.0), "scorer_timeout = 0.0 must be > 0 (seconds a scorer call may take)"),
 ]
 CASES += [(star.StarConfig if k.startswith("expert") else train.Config,
            dict(STAR if k.startswith("expert") else {}, **{k: type(getattr(train.Config, k, 0))(lo - 1)}),

@@ -9,6 +9,7 @@ from test_tasks import expected_chat, hf_tokenizer
 import evaluate
 import train
 import verify
+from rollout import FINISH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_PRESET = os.path.join(ROOT, "configs", "qwen2.5-0.5b-gsm8k.toml")
@@ -36,12 +37,29 @@ def test_samples_file_holds_the_rendered_prompts(hf_folder, gsm8k_file, tmp_path
                                                          tokenize=False, add_generation_prompt=True)
         assert r["answer"] == verify.extract_answer(r["completion"])
         assert r["correct"] == (verify.reward(r["completion"], r["gold"]) == 1.0)
-        assert isinstance(r["truncated"], bool)
+        assert isinstance(r["truncated"], bool) and r["finish"] in FINISH  # how the sample ended
+        assert r["truncated"] == (r["finish"] in ("length", "nonfinite"))
     greedy, sampled = [r for r in rows if r["kind"] == "greedy"], [r for r in rows if r["kind"] == "sampled"]
     assert rec["eval/pass@1"] == sum(r["correct"] for r in greedy) / 5
     assert abs(rec["eval/pass@1_sampled"] - sum(r["correct"] for r in sampled) / 15) < 1e-12
     assert abs(rec["eval/truncated_frac"] - sum(r["truncated"] for r in sampled) / 15) < 1e-12
     assert abs(rec["eval/answer_rate"] - sum(r["answer"] is not None for r in sampled) / 15) < 1e-12
+    assert rec["eval/completed_pass@1"] == sum(r["correct"] and r["finish"] == "stop" for r in greedy) / 5
+    assert abs(rec["eval/completed_pass@1_sampled"]
+               - sum(r["correct"] and r["finish"] == "stop" for r in sampled) / 15) < 1e-12
+    assert "pass@1 greedy, stopped" in printed and {r["finish"] for r in rows} >= {"length"}
+
+
+def test_a_right_answer_cut_off_by_the_length_limit_is_not_a_completed_solution():
+    """eval_row: pass@1 counts a right answer wherever the sample ended; completed_pass@1 only at a stop token."""
+    def group(scores, finish):
+        return train.Group(pos=0, pid=0, problem=None, prompt=[], comps=[[1, 2]] * len(scores),
+                           texts=["#### 4"] * len(scores), logprobs=[], truncated=[f != "stop" for f in finish],
+                           scores=scores, finish=finish)
+    row = train.eval_row(group([1.0], ["length"]), group([1.0, 1.0, 0.0, 1.0], ["stop", "length", "stop",
+                                                                                "tool_limit"]), 4)
+    assert row["pass@1"] == 1.0 and row["completed_pass@1"] == 0.0
+    assert row["pass@1_sampled"] == 0.75 and row["completed_pass@1_sampled"] == 0.25
 
 
 def test_evaluate_in_chunks_equals_one_call(tmp_path):

@@ -215,7 +215,7 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="not divisible"):
         credit.group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="rewards must be 1-d"):
-        credit.keep_groups(torch.zeros(2, 2), 2)
+        credit.group_advantages(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="old_logp"):
         grpo.check_shapes(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="mask"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checks
 import cli
 import infra
 import lora
@@ -65,6 +66,102 @@ def test_targets_are_checked():
         lora.parse_targets("q,lm_head")
     with pytest.raises(cli.UserError, match="lora_targets = 'q_proj,embed' must be 'all' or"):
         train.main(train.parse_args(RUN + ["--lora_targets=q_proj,embed"]))
+
+
+def test_targets_written_with_spaces_wrap_the_same_layers_and_a_misspelled_one_is_an_error():
+    want = [f"model.layers.{i}.self_attn.{t}" for i in range(CFG.n_layers) for t in ("q_proj", "v_proj")]
+    for targets in ("q_proj,v_proj", "q_proj, v_proj", " q_proj ,  v_proj "):
+        model = lora.wrap(tiny(), rank=2, alpha=4.0, targets=targets)
+        assert list(lora.adapters(model)) == want, targets  # 2 layers of 2 blocks, nothing else
+        assert model.lora["targets"] == ["q_proj", "v_proj"]
+        checks.check_settings(train.parse_args(RUN + [f"--lora_targets={targets}"]))  # accepted
+    for targets in ("q_proj, v_prj", "q_proj,,v_proj", "q_proj, "):
+        with pytest.raises(ValueError, match="lora_targets"):
+            lora.wrap(tiny(), rank=2, alpha=4.0, targets=targets)
+        with pytest.raises(cli.UserError, match="must be 'all' or a comma list"):
+            checks.check_settings(train.parse_args(RUN + [f"--lora_targets={targets}"]))
+
+
+def test_non_zero_biases_stay_in_the_adapted_forward_the_merge_and_the_sampling_copy():
+    """Qwen2's q/k/v biases (every other test model's biases are 0): the wrapped forward is the forward of
+    W + (α/r)·B A with the same biases, built here by hand, and the sampling copy carries the biases."""
+    model, x = tiny(), ids()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    biases = {n: p for n, p in before.items() if n.endswith(".bias")}
+    assert len(biases) == 3 * CFG.n_layers and all(b.abs().min() > 0 for b in biases.values())
+    lora.wrap(model, rank=4, alpha=12.0)
+    with torch.no_grad():
+        for m in lora.adapters(model).values():
+            m.lora_B.normal_(0, 0.3)
+    layers, state = lora.adapters(model), {}
+    for name, w in before.items():
+        module, _, leaf = name.rpartition(".")
+        adapted = module in layers and leaf == "weight"
+        state[name] = w + 3.0 * layers[module].lora_B.detach() @ layers[module].lora_A.detach() if adapted else w
+    plain = tiny(seed=5)
+    plain.load_state_dict(state, strict=True)
+    no_bias = tiny(seed=5)
+    no_bias.load_state_dict({n: torch.zeros_like(w) if n in biases else w for n, w in state.items()})
+    want = plain(x)
+    assert (want - no_bias(x)).abs().max() > 1e-2  # the biases matter to the logits
+    assert (model(x) - want).abs().max() < 1e-5
+    merged = dict(lora.merged_parameters(model))
+    assert all(torch.equal(merged[n], b) for n, b in biases.items())
+    copy = infra.frozen_copy(model, torch.device("cpu"))  # infra.refresh: the sampling copy's path
+    got = dict(copy.named_parameters())
+    assert all(torch.equal(got[n], b) for n, b in biases.items())
+    assert (copy(x) - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("saved_rank", [8, 1])  # 1: [1, in] and [out, 1] would broadcast into rank 4 silently
+def test_an_adapter_of_another_rank_is_an_error_naming_the_tensor(tmp_path, saved_rank):
+    src = lora.wrap(tiny(), rank=saved_rank, alpha=8.0)
+    with torch.no_grad():
+        for m in lora.adapters(src).values():
+            m.lora_B.normal_(0, 0.3)
+    lora.save_adapter(str(tmp_path / lora.ADAPTER_DIR), src, lora.adapter_state(src), "")
+    with pytest.raises(ValueError, match=rf"adapter_config\.json: r = {saved_rank}, but this run's is 4"):
+        lora.wrap(tiny(), rank=4, alpha=8.0, adapter=str(tmp_path))
+    config = tmp_path / lora.ADAPTER_DIR / "adapter_config.json"  # a config that lies: the shapes still decide
+    config.write_text(config.read_text().replace(f'"r": {saved_rank},', '"r": 4,'))
+    with pytest.raises(KeyError, match=r"adapter_model\.safetensors: tensor "
+                       r"'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' "
+                       r"missing or not of shape \(4, 32\)"):
+        lora.wrap(tiny(), rank=4, alpha=8.0, adapter=str(tmp_path))
+    config.write_text(config.read_text().replace('"r": 4,', f'"r": {saved_rank},'))
+    same = lora.wrap(tiny(), rank=saved_rank, alpha=8.0, adapter=str(tmp_path))  # its own rank: exact
+    x = ids()
+    assert torch.equal(same(x), src(x))
+
+
+def test_an_adapter_of_another_alpha_or_other_targets_is_an_error(tmp_path):
+    """A resume whose lora_alpha or lora_targets differ from the checkpoint's would load another model (a
+    different scale, adapters dropped): an error naming the setting, not a silent load."""
+    src = lora.wrap(tiny(), rank=4, alpha=8.0)  # all targets
+    lora.save_adapter(str(tmp_path / lora.ADAPTER_DIR), src, lora.adapter_state(src), "")
+    with pytest.raises(ValueError, match=r"lora_alpha = 8\.0, but this run's is 32\.0"):
+        lora.wrap(tiny(), rank=4, alpha=32.0, adapter=str(tmp_path))
+    with pytest.raises(ValueError, match=r"target_modules = \[.*\], but this run's is \['q_proj'\]"):
+        lora.wrap(tiny(), rank=4, alpha=8.0, targets="q_proj", adapter=str(tmp_path))
+    lora.wrap(tiny(), rank=4, alpha=8.0, adapter=str(tmp_path))  # the same settings load
+
+
+def test_the_saved_adapter_config_lists_exactly_the_targets_used(tmp_path):
+    """A run with lora_targets = ' down_proj, q_proj' (spaces, not the default): step_N/adapter/'s
+    target_modules are those two names, and its tensors are on those layers only."""
+    train.main(train.parse_args(RUN + ["--lora_targets= down_proj, q_proj", "--sft_steps=1", "--rl_steps=1",
+                                       "--eval_n=4", f"--out_dir={tmp_path}"]))
+    folder = tmp_path / "step_2" / lora.ADAPTER_DIR
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj"]
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert sorted(saved) == sorted(f"{lora.PEFT_PREFIX}model.layers.0.{block}.{t}.{m}.weight"
+                                   for block, t in (("mlp", "down_proj"), ("self_attn", "q_proj"))
+                                   for m in ("lora_A", "lora_B"))
 
 
 def gaps(recs):  # |log π_old − log μ| per RL step: the trainer's vs the sampler's log-probs

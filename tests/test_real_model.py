@@ -79,6 +79,9 @@ def test_two_rl_steps_of_the_preset_and_their_checkpoint_in_transformers(smollm2
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [(r["step"], r["stage"]) for r in records if "train/loss" in r] == [(1, "rl"), (2, "rl")]
     assert records[0]["stage"] == "base" and "eval/answer_rate_greedy" in records[0]
+    rl = [r for r in records if "train/loss" in r]  # reasoning-gym's scorer runs in a worker, counted
+    assert all(r["train/scorer_timeouts"] == r["train/scorer_errors"] == 0 for r in rl)
+    assert all(r["eval/scorer_timeouts"] == 0 for r in records if "eval/pass@1" in r)
     step = str(out / "step_2")
     assert json.load(open(os.path.join(step, "config.json")))["dtype"] == "float32"  # save_dtype "": the source's
     ids = train.build_run(train.dataclasses.replace(cfg, init_from=step)).task.prompt_ids(

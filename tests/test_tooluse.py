@@ -2,6 +2,7 @@
 (policy mask 0, log-prob 0), the other rows decode on; the trainer's one fresh forward over the whole row gives
 the sampler's log-probs at every policy token; a row alone samples what it samples in the batch; the static step
 samples what the eager one does; bounds (calls, result tokens, hostile calls); a chat template's tool turn."""
+import itertools
 import json
 import os
 import re
@@ -55,19 +56,23 @@ def rows(r):
             for i in range(len(r.lengths))]
 
 
-def replay(b: tooluse.Toolbox, ids: list[int]) -> tuple[list[bool], int]:
+def replay(b: tooluse.Toolbox, ids: list[int]) -> tuple[list[bool], int, bool]:
     """The protocol by hand, over a finished row: after each sampled close marker with an open marker before it
-    (and calls left), the next tokens must be the toolbox's answer to the row so far; they are not policy."""
+    (and calls left), the next tokens must be the toolbox's answer to the row so far; they are not policy. A call
+    with no calls left must be the row's last token -> (policy mask, calls answered, ended at the limit)."""
     policy, i, calls = [], 0, 0
     while i < len(ids):
         policy.append(True)
+        if ids[i] in b.marks and calls >= b.max_calls and b.call_start(ids[:i + 1]) is not None:
+            assert i == len(ids) - 1, "a call past the limit ends the row"
+            return policy, calls, True
         if ids[i] in b.marks and calls < b.max_calls and (got := b.answer(ids[:i + 1])) is not None:
             forced = got[0][:len(ids) - i - 1]
             assert ids[i + 1:i + 1 + len(forced)] == forced
             policy += [False] * len(forced)
             i, calls = i + len(forced), calls + 1
         i += 1
-    return policy, calls
+    return policy, calls, False
 
 
 def test_results_are_forced_exactly_and_the_trainer_forward_gives_the_sampler_logprobs():
@@ -75,7 +80,7 @@ def test_results_are_forced_exactly_and_the_trainer_forward_gives_the_sampler_lo
     r = generate(m, PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=1, tools=b)
     n_calls = r.tool_calls.tolist()
     for (ids, policy), calls in zip(rows(r), n_calls):
-        want, k = replay(b, ids)
+        want, k, _ = replay(b, ids)
         assert policy == want and calls == k
     assert sum(c > 0 for c in n_calls) >= 3 and sum(c == 0 for c in n_calls) >= 3  # a mixed batch
     assert r.tool_errors.sum() > 0 and (r.tool_errors <= r.tool_calls).all()
@@ -102,13 +107,18 @@ def test_without_tools_nothing_is_forced_and_the_close_marker_is_text():
     assert torch.equal(r.policy_mask, r.completion_mask) and r.tool_calls.sum() == 0
 
 
-def test_max_tool_calls_leaves_later_calls_unanswered():
+def test_a_call_past_max_tool_calls_ends_the_row_with_its_finish_reason():
     m = tiny()
     many = generate(m, PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=1, tools=box(max_calls=3))
     one = generate(m, PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=1, tools=box(max_calls=1))
     assert one.tool_calls.max() == 1 and many.tool_calls.max() > 1
-    for ids, policy in rows(one):
-        assert policy == replay(box(max_calls=1), ids)[0]
+    ended = [rollout.FINISH[c] for c in one.finish.tolist()]
+    assert {"tool_limit", "stop"} <= set(ended), ended
+    for (ids, policy), why, n in zip(rows(one), ended, one.lengths.tolist()):
+        want, _, limited = replay(box(max_calls=1), ids)
+        assert policy == want and limited == (why == "tool_limit"), (ids, why)
+        assert (ids[-1] in STOP) == (why == "stop") and (n == 60) >= (why == "length")
+    assert torch.equal(one.truncated, one.finish == rollout.FINISH.index("length"))  # all finite
 
 
 class Echo(tooluse.Tool):
@@ -126,6 +136,34 @@ def test_a_long_result_is_cut_to_max_tool_tokens_inside_its_wrapper():
     assert TOK.decode(forced) == "{012345}" and len(forced) == 8
     for ids, policy in rows(r):
         assert policy == replay(b, ids)[0]
+
+
+class Nested(tooluse.Tool):
+    name, open, close = "nested", "(", ")"
+
+    def call(self, text):
+        return "(1)"  # an answer holding the tool's own open and close markers
+
+
+def test_a_close_marker_inside_a_forced_answer_is_not_a_call():
+    """A forced ")" (the answer's) is context, not the policy closing a call: no extra call is answered, no row
+    ends at the limit, and every forced run is exactly one answer "{(1)}" (or its start, cut by the row's end)."""
+    b = box(max_calls=2, tools=[Nested()])
+    answer = TOK.encode("{(1)}", add_special_tokens=False).ids
+    assert b.answer(TOK.encode("(7)", add_special_tokens=False).ids)[0] == answer
+    r = generate(tiny(), PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=2, tools=b)
+    close, forced_closes = TOK.token_to_id(")"), 0
+    for (ids, policy), calls, why in zip(rows(r), r.tool_calls.tolist(), r.finish.tolist()):
+        assert (policy, calls) == replay(b, ids)[:2]
+        runs = [list(g) for k, g in itertools.groupby(zip(ids, policy), key=lambda x: x[1]) if not k]
+        assert len(runs) == calls, ids  # one forced run per answered call
+        for k, run in enumerate(runs):
+            got = [t for t, _ in run]
+            assert got == answer or (k == len(runs) - 1 and got == answer[:len(got)] and ids[-len(got):] == got)
+        forced_closes += sum(t == close and not p for t, p in zip(ids, policy))
+        # a forced marker past the limit ends nothing: only a sampled call does
+        assert rollout.FINISH[why] != "tool_limit" or (policy[-1] and ids[-1] == close), ids
+    assert forced_closes >= 3 and r.tool_calls.sum() >= 3
 
 
 def test_the_static_step_with_tools_samples_what_the_eager_one_does(monkeypatch):
@@ -180,6 +218,55 @@ def test_a_demonstration_s_policy_mask_is_what_generate_would_force():
     forced = "".join(TOK.id_to_token(t) for t, keep in zip(ids, mask) if not keep)
     assert forced == "{36}{37}"
     assert mask == replay(b, ids)[0]
+
+
+@pytest.mark.parametrize("limit, forced", [(0, ""), (1, "{2}"), (2, "{2}{4}"), (3, "{2}{4}{6}"), (4, "{2}{4}{6}")])
+def test_a_demonstration_s_calls_past_max_tool_calls_are_plain_text(limit, forced):
+    text = "[1+1]{2}[2+2]{4}[3+3]{6}"  # three calls: those up to the limit are answered, the rest text
+    ids = TOK.encode(text, add_special_tokens=False).ids
+    mask = tooluse.policy_mask(box(max_calls=limit), ids)
+    want = [True] * len(text)
+    for start in (5, 13, 21)[:limit]:  # each answered call's "{n}" (3 characters) is not policy
+        want[start:start + 3] = [False] * 3
+    assert mask == want
+    assert "".join(c for c, keep in zip(text, mask) if not keep) == forced
+
+
+def test_generate_s_rows_past_max_tool_calls_are_read_as_demonstrations_the_same_way():
+    b = box(max_calls=1)
+    r = generate(tiny(), PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=1, tools=b)
+    for ids, policy in rows(r):  # the row's own call past the limit (its last token) is plain text
+        assert tooluse.policy_mask(b, ids) == policy, ids
+    assert "tool_limit" in [rollout.FINISH[c] for c in r.finish.tolist()] and r.tool_calls.max() == 1
+
+
+def group(samples):
+    """A train.Group of hand-made samples (calls, errors, score, policy as '.' sampled / 'F' forced)."""
+    policy = [[c == "." for c in p] for _, _, _, p in samples]
+    comps = [[3] * len(p) for p in policy]
+    return train.Group(0, 0, None, [1], comps, [""] * len(comps), [torch.zeros(len(c)) for c in comps],
+                       [False] * len(comps), [s for _, _, s, _ in samples], policy=policy,
+                       tools=[[c, e] for c, e, _, _ in samples])
+
+
+def test_tool_metrics_are_the_hand_counted_values_and_errors_are_per_call():
+    groups = [group([(2, 1, 1.0, "..FF.F."), (0, 0, 0.0, "...."), (1, 0, 1.0, ".FF.."), (0, 0, 0.0, "...")]),
+              group([(4, 2, 0.0, ".F.F.F"), (0, 0, 1.0, ".."), (1, 0, 0.0, "..F")])]
+    no_tools = train.Group(0, 1, None, [1], [[3], [3]], ["", ""], [torch.zeros(1)] * 2, [False] * 2, [1.0, 1.0])
+    got = tooluse.metrics(groups + [no_tools], "train/")
+    # 7 samples, 8 calls, 3 errors; 4 samples called (2 correct), 3 did not (1 correct); correct: 3, 2 of them
+    # called; 9 forced tokens of 30
+    assert got == pytest.approx({"train/tool_calls": 8 / 7, "train/tool_call_rate": 4 / 7,
+                                 "train/tool_error_rate": 3 / 8,  # not 3 / 7 (per completion)
+                                 "train/tool_share_of_correct": 2 / 3, "train/tool_accuracy_with": 2 / 4,
+                                 "train/tool_accuracy_without": 1 / 3, "train/tool_forced_frac": 9 / 30})
+    assert set(got) == {"train/tool_calls", "train/tool_call_rate", "train/tool_error_rate",
+                        "train/tool_share_of_correct", "train/tool_accuracy_with", "train/tool_accuracy_without",
+                        "train/tool_forced_frac"}
+    assert tooluse.metrics([no_tools], "train/") == {}
+    none_called = tooluse.metrics([group([(0, 0, 1.0, ".."), (0, 0, 0.0, "...")])], "eval/")
+    assert none_called["eval/tool_error_rate"] == 0 and none_called["eval/tool_accuracy_with"] == 0
+    assert none_called["eval/tool_accuracy_without"] == 0.5 and none_called["eval/tool_share_of_correct"] == 0
 
 
 # ------------------------------------------------------------------------------------------ in training

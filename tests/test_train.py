@@ -209,6 +209,10 @@ def test_smoke_run_sft_then_rl(tmp_path):
     assert recs[-1]["stage"] == "rl"
     rl = [r for r in recs if r["stage"] == "rl" and "train/reward" in r]
     assert len(rl) == 4 and all(0 <= r["train/reward"] <= 1 for r in rl)
+    for r in rl:  # how the step's samples ended: fractions that add up, the truncated ones among them
+        assert abs(sum(r[f"train/finish_{f}"] for f in rollout.FINISH) - 1) < 1e-9
+        assert abs(r["train/finish_length"] + r["train/finish_nonfinite"] - r["train/truncated_frac"]) < 1e-9
+    assert any(r["train/finish_length"] > 0 for r in rl) and any(r["train/finish_stop"] > 0 for r in rl)
     evals = [r for r in recs if "eval/pass@1" in r]
     # the untrained baseline at step 0 (issue 13), then every 5 steps and at the end of each stage
     assert [r["step"] for r in evals] == [0, 5, 6, 10]
@@ -247,10 +251,10 @@ def test_cpu_compile_samples_with_the_static_step_and_the_same_tokens(tmp_path, 
         train.parse_args(["--config", SMOKE, "--cpu_compile=yes"])
 
 
-def run_cli(args, nproc=1, timeout=300):
+def run_cli(args, nproc=1, timeout=300, env=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = (launcher if nproc > 1 else [sys.executable]) + [os.path.join(ROOT, "train.py")] + args
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -369,6 +373,41 @@ def test_nan_loss_with_finite_gradient_skips_the_rl_step_names_its_rows_and_stop
     assert "step 4, rank 0: non-finite loss in micro-batch 1 (epoch 0), rows " in text and "step 5, rank 0" in text
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [(r["step"], r["train/bad_steps"]) for r in recs if "train/bad_steps" in r] == [(4, 1)]
+
+
+def test_a_non_finite_weight_never_reaches_the_sampler(tmp_path, monkeypatch):
+    """An optimizer step that leaves an inf weight although the loss and gradient norm were finite (here: AdamW's
+    step poisoned on the 3rd RL update): the run stops before any sampling with it, the sampler's copy is not
+    refreshed, and the last checkpoint on disk is finite. Once with a sampling copy (LoRA: a merged copy), once
+    with the policy sampling itself."""
+    real_step, real_generate = torch.optim.AdamW.step, train.generate
+    for extra in (["--lora_rank=4"], []):
+        seen = {"updates": 0, "bad": False}
+
+        def poisoned(self, *a, **kw):
+            out = real_step(self, *a, **kw)
+            updates = any(p.grad is not None for g in self.param_groups for p in g["params"])
+            seen["updates"] += updates
+            if updates and seen["updates"] == 5:  # 2 SFT steps, then the 3rd RL step
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+                seen["bad"] = True
+            return out
+
+        def generate(model, *a, **kw):
+            assert not seen["bad"], "a sampler read non-finite weights"
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+            return real_generate(model, *a, **kw)
+        monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+        monkeypatch.setattr(train, "generate", generate)
+        out = tmp_path / f"inf{len(extra)}"
+        cfg = train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--sft_steps=2", "--rl_steps=4",
+                                "--ckpt_every=1", "--dynamic_sampling=false", "--eval_every=0"] + extra)
+        with pytest.raises(RuntimeError, match="1 of the policy's weights are not finite"):
+            train.main(cfg)
+        assert seen["bad"] and max(infra.complete_checkpoints(out)) == 4
+        m = Transformer.from_pretrained(out / "step_4")
+        assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
 def test_a_skipped_first_step_steps_the_schedule_without_torchs_warning(tmp_path, monkeypatch):

@@ -13,6 +13,11 @@ M = 1_000_000
 
 
 # ---------------------------------------------------------------------------------------- A1, A4
+def both(equal: list, unequal: list) -> list:
+    """(pred, gold, whether they are equivalent) of a class's equal pairs, then its unequal ones."""
+    return [(p, g, True) for p, g in equal] + [(p, g, False) for p, g in unequal]
+
+
 DOUBTED = [  # (the answer, a doubt or correction after it with no new answer): 1 alone, 0 with it
     # a correction that says a factor or a step was wrong, without a new result
     ("\\boxed{24}", "\n\nCorrection: the factor in step 2 should have been 3."),
@@ -153,16 +158,11 @@ WRAPPED_FALSE = [
 ]
 
 
-@pytest.mark.parametrize("pred,gold", WRAPPED_TRUE)
-def test_wrapped_units_and_deep_presentation_true(pred, gold):
+@pytest.mark.parametrize("pred,gold,equal", both(WRAPPED_TRUE, WRAPPED_FALSE))
+def test_wrapped_units_and_deep_presentation(pred, gold, equal):
     start = time.perf_counter()
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
     assert time.perf_counter() - start < 0.2
-
-
-@pytest.mark.parametrize("pred,gold", WRAPPED_FALSE)
-def test_wrapped_units_and_deep_presentation_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
 
 
 def test_deep_presentation_in_a_box_is_linear():
@@ -191,14 +191,9 @@ LABELLED_FALSE = [
 ]
 
 
-@pytest.mark.parametrize("pred,gold", LABELLED_TRUE)
-def test_labels_and_left_hand_sides_true(pred, gold):
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
-
-
-@pytest.mark.parametrize("pred,gold", LABELLED_FALSE)
-def test_labels_and_left_hand_sides_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+@pytest.mark.parametrize("pred,gold,equal", both(LABELLED_TRUE, LABELLED_FALSE))
+def test_labels_and_left_hand_sides(pred, gold, equal):
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
 
 
 # ---------------------------------------------------------------------------------------- B2
@@ -244,14 +239,9 @@ RELATIONS_FALSE = [
 ]
 
 
-@pytest.mark.parametrize("pred,gold", RELATIONS_TRUE)
-def test_equations_and_inequalities_true(pred, gold):
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
-
-
-@pytest.mark.parametrize("pred,gold", RELATIONS_FALSE)
-def test_equations_and_inequalities_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+@pytest.mark.parametrize("pred,gold,equal", both(RELATIONS_TRUE, RELATIONS_FALSE))
+def test_equations_and_inequalities(pred, gold, equal):
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
 
 
 # ---------------------------------------------------------------------------------------- B4
@@ -275,14 +265,9 @@ OR_REWARDS = [  # (completion, gold, reward): a prediction hedging with "or" ear
 ]
 
 
-@pytest.mark.parametrize("pred,gold", SEPARATED_TRUE)
-def test_separators_true(pred, gold):
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
-
-
-@pytest.mark.parametrize("pred,gold", SEPARATED_FALSE)
-def test_separators_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+@pytest.mark.parametrize("pred,gold,equal", both(SEPARATED_TRUE, SEPARATED_FALSE))
+def test_separators(pred, gold, equal):
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
 
 
 @pytest.mark.parametrize("completion,gold,expected", OR_REWARDS)
@@ -310,14 +295,9 @@ COMMUTED_FALSE = [
 ]
 
 
-@pytest.mark.parametrize("pred,gold", COMMUTED_TRUE)
-def test_commutative_forms_inside_roots_and_powers_true(pred, gold):
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
-
-
-@pytest.mark.parametrize("pred,gold", COMMUTED_FALSE)
-def test_commutative_forms_inside_roots_and_powers_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+@pytest.mark.parametrize("pred,gold,equal", both(COMMUTED_TRUE, COMMUTED_FALSE))
+def test_commutative_forms_inside_roots_and_powers(pred, gold, equal):
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
 
 
 # ---------------------------------------------------------------------------------------- B6
@@ -332,14 +312,9 @@ THOUSANDS_FALSE = [
 ]
 
 
-@pytest.mark.parametrize("pred,gold", THOUSANDS_TRUE)
-def test_a_comma_and_a_space_separate_items_true(pred, gold):
-    assert is_equiv(pred, gold) and is_equiv(gold, pred)
-
-
-@pytest.mark.parametrize("pred,gold", THOUSANDS_FALSE)
-def test_a_comma_and_a_space_separate_items_false(pred, gold):
-    assert not is_equiv(pred, gold) and not is_equiv(gold, pred)
+@pytest.mark.parametrize("pred,gold,equal", both(THOUSANDS_TRUE, THOUSANDS_FALSE))
+def test_a_comma_and_a_space_separate_items(pred, gold, equal):
+    assert is_equiv(pred, gold) == equal and is_equiv(gold, pred) == equal
 
 
 def test_a_listed_pair_is_not_one_number_in_a_completion():

@@ -530,16 +530,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
     p.add_argument("--static", action="store_true",
                    help="also the compiled static step (rollout.generate(static=True))")
-    p.add_argument("--rl", action="store_true",
-                   help="the time split of one RL step (4 x 8 x 64 tokens) instead")
-    p.add_argument("--verify", action="store_true",
-                   help="time verify.reward (and math-verify) instead of sampling")
-    p.add_argument("--logprobs", action="store_true",
-                   help="log-prob memory and time at a real vocabulary")
+    for mode, text in (("--rl", "the time split of one RL step (4 x 8 x 64 tokens) instead"),
+                       ("--verify", "time verify.reward (and math-verify) instead of sampling"),
+                       ("--logprobs", "log-prob memory and time at a real vocabulary"),
+                       ("--compact", "eager tokens/s at several rollout.COMPACT_AT values instead")):
+        p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--chunks", default="",
                    help="--logprobs: the chunked path at 2^k logits a block, e.g. 21,23,25")
-    p.add_argument("--compact", action="store_true",
-                   help="eager tokens/s at several rollout.COMPACT_AT values instead")
     # --logprobs runs each method in a child process
     p.add_argument("--method", default="", help=argparse.SUPPRESS)
     p.add_argument("--gpu_new", type=int, default=512,

@@ -117,7 +117,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     logp, old_logp, mask [n, L]; advantages [n] or [n, L]; pg_weight, ref_logp, abs_kl [n, L] or
     None. Checked once, not per call: the settings by check_settings (a trainer's Config check),
     the shapes by check_shapes (a trainer's tensors have them by construction) -> (loss,
-    LossTerms)."""
+    LossTerms). The defaults are GRPO's (DeepSeekMath); train.py passes its Config's settings
+    (DAPO's by default: eps_high 0.28, token_mean) through Run.loss_kw."""
     valid = mask != 0                                                                    # [n, L]
     adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logp.dtype)  # [n, 1|L]
     # the log-ratio is 0 on padding before exp: garbage there cannot become inf, then NaN ∇
@@ -139,7 +140,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         per_tok = per_tok + abs_kl.detach().to(per_tok.dtype) * tok_log_ratio.abs()
     per_tok = torch.where(valid, per_tok, 0.0)
     # step 4, aggregation: per-sequence means (GRPO) or a plain sum (DAPO, Dr. GRPO), then / the
-    # normaliser (an empty row adds 0 and is not counted; an all-padding batch gives 0, not 0/0)
+    # normaliser (an empty row adds 0 and is not counted; with loss_scale None, an all-padding
+    # batch gives 0, not 0/0)
     total = (per_tok.sum(1) / count[:, 0]).sum() if agg == "seq_mean_token_mean" else per_tok.sum()
     if loss_scale is None:
         loss_scale = loss_normaliser(valid, agg, max_len).clamp(min=1)

@@ -7,11 +7,11 @@ One RL step, rl_step() below (DeepSeekMath 2024 Alg. 1 with DAPO 2025 Alg. 1's d
      shaping where set (shaped_rewards); DAPO's dynamic sampling drops groups with zero reward
      spread and draws more prompts until P informative groups are held (dynamic_sampling);
   3. this rank's rows, their loss mask, the loss's GLOBAL normaliser and the micro-batches
-     (rank_batch); Â_i over the global batch (credit.group_advantages);
-  4. μ optimizer steps, each a pass over the micro-batches: log π_θ (completion_logprobs), π_old
-     = π_θ of the first pass, loss = grpo.policy_loss divided by the global token count, so any
-     rank or micro-batch split gives the same gradient; backward; clip the gradient norm; AdamW
-     (optimizer_step); warmup + cosine.
+     (rank_batch); Â_i of every group, all ranks' (credit.group_advantages), then this rank's rows;
+  4. ppo_epochs (GRPO's μ) optimizer steps, each a pass over the micro-batches: log π_θ
+     (completion_logprobs), π_old = π_θ of the first pass, loss = grpo.policy_loss divided by the
+     global token count, so any rank or micro-batch split gives the same gradient; backward; clip
+     the gradient norm; AdamW (optimizer_step); warmup + cosine.
 Each option is one guarded line in rl_step (β·KL to π_ref; objective.Options for KL in the
 reward, distillation, TIS, top-entropy, Clip-/KL-Cov, process rewards). SFT (DeepSeek-R1's cold
 start): sft_update. The Config: config.py; processes, FSDP2, checkpoints: infra.py; the sampler:
@@ -72,7 +72,7 @@ class Run:
     sampling: tuple = field(init=False)      # (temperature, top_k, top_p): π as sampled and scored
 
     def __post_init__(self):
-        cfg = self.cfg
+        cfg = self.cfg  # resolved: Config.__post_init__ turned tis = "auto" into "none" or "token"
         self.static, self.sharded = infra.compiled_sampling(cfg), hasattr(self.model, "reshard")
         self.loss_kw = dict(pg_loss=cfg.pg_loss, ratio_level=cfg.ratio_level, eps_low=cfg.eps_low,
                             eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tau_pos=cfg.tau_pos,
@@ -186,7 +186,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     return sorted(infra.all_gather_list(groups), key=lambda g: g.pos)
 
 
-# ============================================================================ 2. rewards, filtering
+# ================================================================ 2. rewards and DAPO's filter
 def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
     """Steps 1-2: P groups of G samples and their rewards. DAPO §3.2: a group whose rewards are
     all equal has Â = 0 and teaches nothing; dynamic sampling drops it and samples more prompts,
@@ -282,7 +282,7 @@ def remember_saturated(state: TrainState, groups: list[Group], k: int):
         state.pass_history[g.pid] = history[-k:]
 
 
-# ================================================================== 3. log-probs and the update
+# ======================================== 3-4. this rank's batch, the log-probs and the update
 @dataclass
 class Batch:
     """This rank's rows of the step's global batch: rank r trains on groups r, r + world, ..."""
@@ -324,8 +324,10 @@ def optimizer_step(run: Run, opt, losses: list[torch.Tensor] = ()) -> torch.Tens
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     bad = torch.stack([~torch.isfinite(x) for x in losses]).sum() if losses else torch.zeros(())
     norm = torch.where(infra.all_sum(bad.float()) == 0, norm, math.nan)
-    if not torch.isfinite(norm):  # skipped: without gradients the step below changes nothing,
-        opt.zero_grad(set_to_none=True)  # and torch's LR scheduler sees the step it expects first
+    # skipped: opt.step() still runs, without gradients (it changes nothing), so that torch never
+    # sees the LR scheduler step before the optimizer has (it warns)
+    if not torch.isfinite(norm):
+        opt.zero_grad(set_to_none=True)
     opt.step()
     # no non-finite weight reaches a sampler (one all-reduce); its copy is gathered before sampling
     infra.check_weights(run.model, run.sampler, run.cfg.out_dir)
@@ -375,21 +377,21 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
     groups, stats = run.link.take(state, step) if run.link else dynamic_sampling(run, state, step)
     if not groups:
         return skip_update(opt, sched, stats)
-    # 3. this rank's rows; Â_i over the global batch: DeepSeekMath §4.1.2's (r_i − mean) / std
+    # 3. this rank's rows; Â_i of every group: DeepSeekMath §4.1.2's (r_i − mean) / std
     # over the group, adv_scale's other, or the options' (objective.Options)
     t1, batch = time.time(), rank_batch(run.cfg, run.proc, groups, run.task.tools)
     rewards = torch.tensor([r for g in groups for r in g.rewards])                      # [N]
     options = Options(run, batch, step) if run.options else None
     adv = (options.advantages(rewards) if options else credit.group_advantages(
         rewards, run.cfg.group_size, run.cfg.adv_scale))[batch.rows].to(run.proc.device)
-    # 4. μ optimizer steps on this batch, each over every micro-batch; the loss is grpo.py's
+    # 4. ppo_epochs optimizer steps on this batch, each over every micro-batch; grpo.py's loss
     fixed, metrics = {}, []  # what epoch 0 fixes per micro-batch; metrics per micro-batch
     for epoch in range(run.cfg.ppo_epochs):
         for b, rows in enumerate(batch.plan):
             inputs = [batch.prompts[i] for i in rows], [batch.completions[i] for i in rows]
             logp, entropy = completion_logprobs(run.model, *inputs, *run.sampling)      # [n, L]
             mask = batch.mask[rows, :logp.shape[1]]                                     # [n, L]
-            if epoch == 0:  # π_old = π_θ before the update: ρ = 1, the clip binds from epoch 2
+            if epoch == 0:  # π_old = π_θ before the update: ρ = 1; the clip binds from the 2nd
                 fixed[b] = dict(old_logp=logp.detach(), advantages=adv[rows],
                                 loss_scale=batch.norm)
                 if run.cfg.beta and run.cfg.kl_in == "loss":  # β·KL(π_θ‖π_ref), GRPO's
@@ -407,7 +409,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
         gnorm = optimizer_step(run, opt, losses)  # a NaN on any rank: every rank skips
         if not torch.isfinite(gnorm):
             guard.name_bad_rows(step, run.proc.rank, epoch, losses, batch)
-    sched.step()  # once per RL step, whatever μ: the schedule ends at the last step
+    sched.step()  # once per RL step, whatever ppo_epochs: the schedule ends at the last step
     # epoch 0's metrics (and the options'): sums over micro-batches and ranks, then token means
     m = infra.reduce_metrics(metrics[:len(batch.plan)] + (options.metrics if options else []))
     n, n_comp = m.pop("tokens").clamp(min=1), sum(len(c) for g in groups for c in g.comps)
@@ -521,6 +523,7 @@ def main(cfg: Config) -> dict:
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # a new stage
             stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()
+            logger.deadline = rl_t0 + 60 * cfg.rl_minutes if cfg.rl_minutes else None
             opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state, ckpt)
         if stage == "sft":
             _, prompts, comps = run.task.cold_start_batch(state.sft_cursor, cfg.sft_batch_size)

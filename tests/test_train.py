@@ -466,6 +466,22 @@ def test_wandb_auto_follows_WANDB_MODE(monkeypatch, tmp_path):
         assert inits == want, env
 
 
+def test_the_eta_honours_rl_minutes(tmp_path, capsys, monkeypatch):
+    """A 200-step run timed by rl_minutes = 12: after 1 step of 60 s, the step count alone says 199 min to go;
+    the console says what the clock allows (11 min), and without rl_minutes it keeps the step count's ETA."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    for minutes, want in ((12, "eta 11.0 min"), (0, "eta 199.0 min")):
+        log = Logger(infra.Proc(0, 1, torch.device("cpu")), str(tmp_path / str(minutes)), {}, "disabled", "p", 0,
+                     200)
+        log.deadline = clock[0] + 60 * minutes if minutes else None
+        clock[0] += 60
+        log.log(1, "rl", {"train/loss": 0.0})
+        clock[0] -= 60
+        assert want in capsys.readouterr().out
+        log.file.close()
+
+
 def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch):
     # even problem ids are informative (1 of 4 right), odd ids are all wrong: half of each draw is kept
     tr = FakeRun(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],

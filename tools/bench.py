@@ -533,7 +533,7 @@ def parser() -> argparse.ArgumentParser:
     for mode, text in (("--rl", "the time split of one RL step (4 x 8 x 64 tokens) instead"),
                        ("--verify", "time verify.reward (and math-verify) instead of sampling"),
                        ("--logprobs", "log-prob memory and time at a real vocabulary"),
-                       ("--compact", "eager tokens/s at several rollout.COMPACT_AT values instead")):
+                       ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--chunks", default="",
                    help="--logprobs: the chunked path at 2^k logits a block, e.g. 21,23,25")

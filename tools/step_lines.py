@@ -1,7 +1,8 @@
 """What a reader follows for one RL step: train.py runs 20 SFT steps and one RL step with a line
 tracer switched on only inside the first call of train.rl_step; per project file, the distinct lines
 that ran and the functions entered (with their whole length: a reader opens each one it meets).
-model.py, verify.py and exact.py are counted apart (the model and the verifier are read on their own).
+model.py, verify.py and exact.py are counted apart (the model and the verifier are read on their
+own).
 
   python -m tools.step_lines                                # the default run (the CPU demo's DAPO)
   python -m tools.step_lines --config configs/grpo.toml     # any train.py setting passes through
@@ -22,7 +23,7 @@ APART = {"model.py", "verify.py", "exact.py"}
 
 
 def main(argv: list[str]) -> tuple[int, int, int, int]:
-    """-> (files, lines run, functions entered, their total length) outside APART; prints a table."""
+    """-> (files, lines run, functions entered, their length) outside APART; prints a table."""
     files = {os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
     lines, funcs = defaultdict(set), {}  # file -> line numbers; (file, first line, name) -> length
 
@@ -49,9 +50,9 @@ def main(argv: list[str]) -> tuple[int, int, int, int]:
         finally:
             sys.settrace(None)
     torch.set_num_threads(1)
-    cfg = parse_args(["--sft_steps=20", "--rl_steps=1", "--eval_every=0", "--eval_n=8", "--threads=1",
-                      f"--out_dir={tempfile.mkdtemp()}", "--wandb_mode=disabled", "--ckpt_every=0"]
-                     + argv)
+    cfg = parse_args(["--sft_steps=20", "--rl_steps=1", "--eval_every=0", "--eval_n=8",
+                      "--threads=1", f"--out_dir={tempfile.mkdtemp()}", "--wandb_mode=disabled",
+                      "--ckpt_every=0"] + argv)
     train.rl_step = rl_step
     try:
         train.main(cfg)
@@ -66,12 +67,13 @@ def main(argv: list[str]) -> tuple[int, int, int, int]:
     total = [0, 0, 0, 0]
     for f, (n_lines, n_funcs, span) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
         name = os.path.basename(f)
-        print(f"{name:14}{n_lines:10d}{n_funcs:10d}{span:12d}" + ("  (apart)" if name in APART else ""))
+        apart = "  (apart)" if name in APART else ""
+        print(f"{name:14}{n_lines:10d}{n_funcs:10d}{span:12d}{apart}")
         if name not in APART:
             total = [total[0] + 1, total[1] + n_lines, total[2] + n_funcs, total[3] + span]
     print(f"one RL step ({' '.join(argv) or 'defaults'}), outside {', '.join(sorted(APART))}: "
-          f"{total[0]} files, {total[1]} lines run, {total[2]} functions entered spanning {total[3]} "
-          "lines")
+          f"{total[0]} files, {total[1]} lines run, {total[2]} functions entered spanning "
+          f"{total[3]} lines")
     return tuple(total)
 
 

@@ -408,6 +408,8 @@ _WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|textsf|texttt|
                       r"|operatorname|emph|boldsymbol|bm|pmb|underline)\s*\{|[{}]")  # or a brace
 _THIN_DIGITS = re.compile(r"(?<=\d)(?:\\[,;: ]|~)(?=\d)")  # 1\,000: a digit group
 _THIN = re.compile(r"(?<!\\)(?:\\[,;: ]|~)")  # elsewhere a space: 12\,cm is 12 cm
+_THIN_COMMA = re.compile(r"(?<=\d),\\!\s*(?=\d)")  # MATH's "11,\! 111": a digit group, not a list
+_QUAD_GLUED = re.compile(r"\\q?quad(?=[a-z])")  # "\quadx_{2}" (NuminaMath golds): a space
 _LIST_COMMA = re.compile(r",\s+")  # "32, 349", "1,000, 2,000": a comma and a space separate items
 _DROP = re.compile(r"(?=[\\^°%$+dtc])(?:\\(?:left|right|middle"  # the lookahead: fail fast
                    r"|(?:display|text|script|scriptscript)style|qquad|quad|degree|bigg?[lrm]?|bf|rm"
@@ -534,6 +536,8 @@ def _normalize(s: str) -> str:
         s = box[0][0][2]  # a whole-answer box
     s = "".join(_UNICODE.get(c, c) for c in s) if not s.isascii() else s
     s = _SUPER.sub(lambda m: "^{" + m.group().translate(_SUPER_DIGITS) + "}", s)  # x² -> x^{2}
+    s = _THIN_COMMA.sub(",", s) if ",\\!" in s else s
+    s = _QUAD_GLUED.sub(" ", s) if "quad" in s else s
     s = _THIN.sub(" ", _THIN_DIGITS.sub("", s)) if "\\" in s or "~" in s else s
     s = _TEXT_UNIT.sub("", _DROP.sub("", s).strip().rstrip("."))
     s = _strip_wrappers(s) if "\\" in s and _WRAPPER.search(s) else s  # \mathbf{\frac{3}{8}}
@@ -544,6 +548,7 @@ def _normalize(s: str) -> str:
                                                        for a in m.groups()[1:]), s)
     s = s.strip().rstrip(".").strip()
     if _LETTERS.search(s):  # number words; "a and b", "a or b", "either a or b" as a list
+        s = re.sub(r"(?<=[)\]])or(?=[(\[])", ", ", s)  # "(11,7)or(7,11)": alternatives too
         s = re.sub(r"(?<!\s),?\s+(?:and|or)\s+", ", ", _NUMWORD.sub(_number_words, s))
         s = s[7:] if s.startswith("either ") else s
     s = _UNITS.sub("", s.strip())

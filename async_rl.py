@@ -163,7 +163,10 @@ class Wire:
                     seen[name] = (value, time.time())
             if time.time() - seen["beat"][1] > self.dead_s:
                 self.fail(f"no {what} and no sign of life for async_timeout = {self.dead_s:g} s")
-            if time.time() - seen["ticks"][1] > self.hung_s:
+            # hung: alive (a beat within the last few beat intervals), yet no progress; a peer
+            # with no recent beat is dead only after async_timeout, whichever timeout is shorter
+            beating = beat is not None and time.time() - seen["beat"][1] < 3 * self.beat_s
+            if beating and time.time() - seen["ticks"][1] > self.hung_s:
                 self.fail(f"no {what}; the peer is alive at its step {step} but has made no "
                           f"progress for collective_timeout = {self.hung_s:g} s")
             time.sleep(nap)

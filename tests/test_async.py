@@ -4,11 +4,13 @@ the other with an error naming it, and a run killed with -9 at K = 1 resumes to 
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from datetime import timedelta
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import async_rl
+import infra
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -308,3 +311,155 @@ def test_evaluate_settles_the_weight_broadcast_before_it_samples(monkeypatch):
     monkeypatch.setattr(train, "generate", lambda *a, **k: calls.append("generate") or sample(*a, **k))
     train.evaluate(run, 0)
     assert calls[0] == "settle" and calls.count("settle") == 1 and "generate" in calls
+
+
+def _beats(wires):
+    """Until every wire's beat is in the store (the beat thread's first set comes a moment after the Wire)."""
+    deadline = time.time() + 10
+    while not all(w.store.check([f"alive/{w.rank}"]) for w in wires):
+        assert time.time() < deadline, "no beat within 10 s"
+        time.sleep(0.01)
+
+
+def test_the_last_reader_leaves_no_key_of_the_step_behind(monkeypatch):
+    """Three trainers read one step's message: until the last has read it, its count, chunks and read counter stay;
+    after the last, the store holds exactly the keys it held before the message was put (the beats)."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(async_rl, "CHUNK_BYTES", 1000)
+    sampler = _wire(monkeypatch, 0, "sampler", 1, host.port)
+    trainers = [_wire(monkeypatch, r, "trainer", 0, host.port) for r in (1, 2, 3)]
+    _beats([sampler] + trainers)
+    before, msg = host.num_keys(), {"step": 3, "groups": [list(range(1500))]}
+    sampler.put("roll/3", msg)
+    n = int(sampler.store.get("roll/3"))
+    assert n > 2 and host.num_keys() == before + n + 1  # the chunks and their count
+    for i, w in enumerate(trainers, 1):
+        assert w.get("roll/3", "the rollouts of step 3", readers=3) == msg
+        if i < 3:  # not the last reader: everything is still there for the others, and the count of reads so far
+            assert all(w.store.check([f"roll/3/{c}"]) for c in range(n)) and w.store.check(["roll/3"])
+            assert int(w.store.get("roll/3/read")) == i
+    assert not any(sampler.store.check([k]) for k in ["roll/3", "roll/3/read"] + [f"roll/3/{c}" for c in range(n)])
+    assert host.num_keys() == before
+    for w in [sampler] + trainers:
+        w.close()
+
+
+def test_a_peer_making_progress_is_not_hung_however_long_the_wait(monkeypatch):
+    """collective_timeout bounds a peer's silence in progress, not the wait: a sampler that stays at its step but
+    keeps entering collectives (its ticks move) for 2.5 x collective_timeout is waited for, and its message read."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(infra, "TICKS", infra.TICKS)  # restored after the test
+    waiter = _wire(monkeypatch, 1, "trainer", 0, host.port, dead=30.0, hung=2.0)
+    peer = _wire(monkeypatch, 0, "sampler", 1, host.port, dead=1.0)  # beats every 0.1 s
+    done = threading.Event()
+
+    def works():  # a collective every 0.05 s for 5 s, then the message
+        t_end = time.time() + 5
+        while time.time() < t_end:
+            infra.TICKS += 1
+            time.sleep(0.05)
+        peer.store.set("roll/1", "ready")
+        done.set()
+    worker = threading.Thread(target=works, daemon=True)
+    t0 = time.time()
+    worker.start()
+    try:
+        assert waiter.wait_key("roll/1", "the rollouts of step 1") == b"ready"
+        assert time.time() - t0 >= 5  # the wait did outlast collective_timeout
+    finally:
+        done.wait(10)
+        for w in (waiter, peer):
+            w.close()
+
+
+def test_a_hung_peer_is_named_with_the_side_and_rank_that_waited_for_it(monkeypatch):
+    """No progress for collective_timeout (the beat goes on): the error names the waiter (side, rank, step), what
+    it waited for, and the peer (side, leader rank, step); both ways round, and never before collective_timeout."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    sampler = _wire(monkeypatch, 0, "sampler", 2, host.port, dead=30.0, hung=2.0)
+    trainer = _wire(monkeypatch, 2, "trainer", 0, host.port, dead=30.0, hung=2.0)
+    sampler.step, trainer.step = 9, 4
+    _beats([sampler, trainer])
+    for waiter, what, says in [
+            (trainer, "the rollouts of step 5", "trainer rank 2 at step 4: no the rollouts of step 5; the peer is "
+             "alive at its step 9 but has made no progress for collective_timeout = 2 s (sampler side, leader rank 0)"),
+            (sampler, "a weight header", "sampler rank 0 at step 9: no a weight header; the peer is alive at its "
+             "step 4 but has made no progress for collective_timeout = 2 s (trainer side, leader rank 2)")]:
+        t0 = time.time()
+        with pytest.raises(async_rl.SideError, match="^" + re.escape(says) + "$"):
+            waiter.wait_key("never/set", what)
+        assert 2 <= time.time() - t0 < 2 + 10
+    for w in (sampler, trainer):
+        w.close()
+
+
+def test_a_dead_peer_is_dead_even_when_collective_timeout_is_the_shorter(monkeypatch):
+    """collective_timeout < async_timeout: a peer that never beats is not 'alive but hung' after collective_timeout;
+    it is dead after async_timeout (the error said 'alive at its step ?' before)."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    waiter = _wire(monkeypatch, 1, "trainer", 0, host.port, dead=3.0, hung=1.0)  # rank 0 never beats
+    t0 = time.time()
+    with pytest.raises(async_rl.SideError, match="no sign of life for async_timeout = 3 s"):
+        waiter.wait_key("roll/1", "the rollouts of step 1")
+    assert 3 <= time.time() - t0 < 3 + 10
+    waiter.close()
+
+
+def _trainer_link(monkeypatch, port, K=1, hung=3600.0):
+    wire = _wire(monkeypatch, 1, "trainer", 0, port, hung=hung)
+    cfg = types.SimpleNamespace(max_staleness=K)
+    return async_rl.TrainerLink(cfg, infra.Proc(0, 1, torch.device("cpu")), wire, None)
+
+
+def _rollouts(step, version):
+    return {"step": step, "version": version, "groups": [f"groups of step {step}"], "stats": {"rl/x": 1.0},
+            "wait_s": 0.0, "sample_s": 1.0, "tokens": 10, "state": {"rl_cursor": step, "pass_history": {}}}
+
+
+def test_rollouts_staler_than_max_staleness_are_refused_not_trained_on(monkeypatch):
+    """At K = 1, step s trains on π_{s-2} or π_{s-1}: rollouts of π_{s-3} (staleness 2) or of a version the trainer
+    has not made yet (staleness -1) raise, naming the staleness; π_{s-2} (staleness K) is taken."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    link = _trainer_link(monkeypatch, host.port, K=1)
+    link.received, link.allowed = 4, 7  # steps 1..4 taken; the samplers were allowed up to step 7
+    for step, version in [(5, 2), (6, 4), (7, 7)]:
+        link.wire.put(f"roll/{step}", _rollouts(step, version))
+    state = types.SimpleNamespace(rl_cursor=0, pass_history={})
+    with pytest.raises(async_rl.SideError, match=r"π_2 offered to step 5 \(staleness 2, max_staleness = 1\)"):
+        link.take(state, 5)
+    groups, stats = link.take(state, 6)
+    assert groups == ["groups of step 6"] and stats["train/staleness"] == 1 and stats["rl/x"] == 1.0
+    with pytest.raises(async_rl.SideError, match=r"π_7 offered to step 7 \(staleness -1, max_staleness = 1\)"):
+        link.take(state, 7)
+    link.wire.close()
+
+
+def test_settle_waits_for_a_broadcast_no_sampler_joins_for_collective_timeout_then_names_it(monkeypatch):
+    """A real gloo broadcast (two in-process ranks; the sampler never joins) pending on the leader: settle raises
+    about collective_timeout = 2 s later, naming what it waited for, neither sooner nor only at the group's own
+    op timeout (20 s here; a run sets both to collective_timeout)."""
+    host, meet, pgs = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10)), dist.HashStore(), {}
+
+    def join(rank):
+        pgs[rank] = dist.ProcessGroupGloo(meet, rank, 2, timedelta(seconds=20))
+    ranks = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(30)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    link = _trainer_link(monkeypatch, host.port, hung=2.0)
+    link.works = [pgs[0].broadcast([torch.ones(1000)], opts)]
+    t0 = time.time()
+    try:
+        with pytest.raises(async_rl.SideError, match=r"trainer rank 1 at step 0: the previous weight broadcast failed "
+                                                     r"\(the other side died or timed out\) \(sampler side, "
+                                                     r"leader rank 0\): .+"):  # the cause
+            link.settle("the previous weight broadcast")
+        assert 2 <= time.time() - t0 < 2 + 10
+        got = torch.zeros(1000)  # the sampler joins at last: the broadcast was still pending, and now completes
+        pgs[1].broadcast([got], opts).wait(timedelta(seconds=30))
+        assert torch.equal(got, torch.ones(1000))
+    finally:
+        link.wire.close()

@@ -18,9 +18,11 @@ gold) = 1.0 iff steps 1-3 agree.
    distance (the whole gap, in C-speed passes). These are 14: "First try: \boxed{12}. Checking
    again I double-counted ... \boxed{14}", "\boxed{12} is wrong; the right value is \boxed{14}",
    "The answer is 12. Wait, an error: ... The answer is 14". The same answer stated again
-   (thousands of times) is one answer. Only the last commitment is paid and each earlier different
-   one must be withdrawn, so listing candidates and retracting them earns what the last one alone
-   earns: no cap on their number.
+   (thousands of times) is one answer: a run of identical pieces is read as a few copies
+   (_collapse), so more than MAX_COMMITS markers are no answer only when they differ. A clause
+   that runs into the next commitment with no end of its own commits to nothing (the next counts).
+   Only the last commitment is paid and each earlier different one must be withdrawn, so listing
+   candidates and retracting them earns what the last one alone earns: no cap on their number.
    No final answer (reward 0) when
    - two commitments differ with no retraction between: "\boxed{12} or maybe \boxed{14}",
      "\boxed{12} (or possibly \boxed{14})", "\boxed{12}. Hmm, it could also be \boxed{14}", "####
@@ -59,18 +61,20 @@ gold) = 1.0 iff steps 1-3 agree.
 
 Tests: python -m pytest -q tests/test_verify*.py (test_verify, _heldout, _cases)
 """
+import operator
 import re
 import unicodedata
 from bisect import bisect_right
 from fractions import Fraction
-from itertools import accumulate, repeat
+from itertools import accumulate, groupby, islice, repeat
 
 import exact
 from exact import MAX_NUMBER, decimal_key, number as _number
 
 MAX_ANSWER = 4000  # characters: longer answers are equal only if identical (or the same decimal)
 MAX_LONG = 100_000  # characters: longer ones are never equal
-MAX_COMMITS = 20_000  # markers (boxes, ####, "answer") per completion; more is no answer
+MAX_COMMITS = 500  # markers (boxes, ####, "answer") after _collapse; more is no answer
+CLAUSE_BUDGET = 200_000  # characters all "answer is" clauses may read; more: no answer
 MAX_DIFFERENT = 16  # different answers after the last retraction (8 boxes, 8 clauses); more: none
 MAX_EXPR = 200  # characters of one arithmetic step or countdown expression
 MAX_STEPS = 256  # steps scored by step_rewards; later ones are ignored
@@ -173,10 +177,11 @@ _BLANK, _SPACE = re.compile(r"[^\S\n]*(?:\n|\Z)"), re.compile(r"\s*")
 _LEAD, _CLIP_LEAD = re.compile(r"[ \t:*]*(?:[\r\n]\s*)?"), re.compile(r"[ \t:*]*")
 _OPENER = re.compile(r"\s*(?:\\\[|\$\$|\\\(|\$)\s*")  # "$$" alone on its line: the answer follows
 _NOT, _BRACKET = re.compile(r"(?:not|n't)\b"), re.compile(r"[()\[\]{}]")  # "the answer is not 5"
-# Where the answer ends: a reason, a remark; (?<!\s): one try per run of spaces.
-_RUNON = re.compile(r"\.(?:\s|$)|(?<!\\);|(?<![\d)}\\])!|\?|,\s+(?!and\b)(?=[a-z]{2})"
-                    r"|(?<!\s)\s+(?:\(|(?:since|because|as|so|which|given|hence|thus|therefore|not"
-                    r"|i\.e\.|meaning|where|when|if|for|from|by|using)\b|—|–|--)", re.I)
+# Where the answer ends: a reason, a remark; (?<!\s\s) after a space: one try per run of spaces.
+# each branch opens with its character (a lookbehind after it), so the scan skips the rest fast
+_RUNON = re.compile(r"\.(?:\s|$)|;(?<!\\;)|!(?<![\d)}\\]!)|\?|,\s+(?!and\b)(?=[a-z]{2})"
+                    r"|\s(?<!\s\s)\s*(?:\(|(?:since|because|as|so|which|given|hence|thus|therefore"
+                    r"|not|i\.e\.|meaning|where|when|if|for|from|by|using)\b|—|–|--)", re.I)
 _DESCRIPTION = re.compile(r"(?:the|an?)\s+\S+\s+\S+\s+\S+", re.I)  # "is the sum of the roots"
 _STATED = re.compile(r"(?:(?:the|an?)\s.*|there|it|\$?[a-z](?:_\{?\w+\}?)?\$?)\s(?:is|are|was|were"
                      r"|equals)\s+(?P<value>\S.*)", re.I)  # "The largest n is 34": the last copula
@@ -284,7 +289,9 @@ def _commitments(text: str, low: str) -> tuple[list, int] | None:
             out.append((m.start(), k, a, False))  # else the box or the "answer is" in it counts
     starts, reach = [i for i, *_ in boxes], list(accumulate((j for _, j, _ in boxes), max))
     read = {}  # clause -> the answer it commits to: a restated one is read once
-    for m in _ANSWER_LOW.finditer(low) if said else ():
+    marks = list(_ANSWER_LOW.finditer(low)) if said else []
+    budget = min(budget, CLAUSE_BUDGET)  # what the clauses may read in all (a regex a character)
+    for n, m in enumerate(marks):
         k = bisect_right(starts, m.end()) - 1  # boxes opened before it; reach: their furthest end
         base = _LEAD.match(text, m.end()).end()  # "The answer is:" then the answer on the next line
         if k >= 0 and reach[k] > m.end() or _BOX_NEXT.match(text, base):
@@ -296,9 +303,17 @@ def _commitments(text: str, low: str) -> tuple[list, int] | None:
         line = stop if _OPENER.fullmatch(text, base, line) else line  # "$$" alone: lines after it
         if _GOAL.search(low, *clause) or _NOT.match(text, base):
             continue  # a goal or condition, "the answer is not 5"
-        a, end = _clip(text, base, line, line == stop and not _BLANK.match(text, stop))
+        # the next commitment: a clause that runs into it commits to nothing (the inner counts)
+        box = bisect_right(starts, base)
+        nxt = min(marks[n + 1].start() if n + 1 < len(marks) else len(text),
+                  starts[box] if box < len(starts) else len(text))
+        inner = nxt < line
+        a, end = _clip(text, base, nxt) if inner else _clip(
+            text, base, line, line == stop and not _BLANK.match(text, stop))
         if (budget := budget - (end - base)) < 0:
             return None
+        if inner and end >= nxt:
+            continue
         if not a:
             if stop == len(text) and not text[base:stop].strip(" \t:*$\n"):
                 unfinished = max(unfinished, m.start())  # cut off after "the answer is"
@@ -358,11 +373,51 @@ def _last_retraction(low: str, commits: list, ends: list) -> int | None:
     return 0
 
 
+COLLAPSE_ABOVE = 64  # commitment markers: a text with fewer is read as it is
+
+
+def _collapse(text: str) -> str:
+    """Runs of identical pieces (lines, then the pieces from one marker to the next, for each kind
+    of marker: a restated answer, thousands of times) kept as the few copies that decide the
+    answer: every copy commits to the same answer with the same gap before it, so the final answer
+    is the same and is read in the time of a few. Only pieces that close what they open (brackets,
+    $), hold no tag and end their clause (a box, a line break, a sentence's end: no answer runs
+    into the next copy); enough copies are kept that the last reads 200 characters of copies
+    before it. String splits: C speed at any length."""
+    low = text.lower() if "<" not in text else ""
+    if sum(map(low.count, ("\\boxed", "\\fbox", "####", "answer"))) <= COLLAPSE_ABOVE:
+        return text  # few markers (or tags): read as it is
+    for sep in ("\n", "answer", "Answer", "ANSWER", "\\boxed", "\\fbox", "####"):
+        if sep not in text:
+            continue
+        if sep == "\n":
+            pieces = text.splitlines(keepends=True)
+        else:
+            parts = text.split(sep)
+            pieces = parts[:1] + [sep + p for p in parts[1:]]
+        if not any(map(operator.eq, pieces, islice(pieces, 1, None))):
+            continue  # no piece repeats the one before it (C-speed check)
+        out = []
+        for piece, run in groupby(pieces):
+            n, keep = sum(1 for _ in run), 2 + 200 // max(1, len(piece))  # 200 chars: context
+            out.append(piece * (keep if n > keep and _closed(piece) else n))
+        text = "".join(out)
+    return text
+
+
+def _closed(piece: str) -> bool:
+    """A piece that closes what it opens (brackets, $) and ends its clause."""
+    whole = all(piece.count(o) == piece.count(c) for o, c in ("{}", "()", "[]"))
+    ends = piece.startswith(("\\boxed", "\\fbox")) or "\n" in piece or _RUNON.search(piece)
+    return whole and piece.count("$") % 2 == 0 and bool(ends)
+
+
 def _final(text: str, top: bool = True) -> tuple[str | None, bool]:
     """(the final answer or None, whether the text commits to anything): step 1. top: a
     completion."""
     if top and "</think>" in text:  # thinking commits to nothing
         text = text[text.rfind("</think>") + 8:]
+    text = _collapse(text) if top else text
     low, commits, pos, close = _lower(text), [], 0, text.find("</answer>")
     if top and text.find("<answer>", 0, max(close, 0)) >= 0:  # r1 format: a block is a commitment,
         if text.count("</answer>") > MAX_COMMITS:  # read by this rule

@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+import verify
+
 from verify import extract_answer, is_equiv, reward
 
 PAD = "The rows hold six and four more, and each row is counted once. " * 1600  # ~100k characters
@@ -107,6 +109,9 @@ RESTATED = [  # (one statement, times, padding after each): all earn what one st
     ("So the answer is 34. ", 3000, "The rows hold 30 and 4 more, 30 + 4 = 34. "),
     ("The answer is $\\boxed{34}$. ", 3000, "x" * 300 + "\n"),  # ~1M characters
     ("**Final Answer:** The largest n is 34.\n", 3000, ""),
+    ("The answer is 34. ", 60_000, ""),  # 1M characters on one line
+    ("\\boxed{34} ", 100_000, ""),  # 1.1M characters: more markers than MAX_COMMITS, all one answer
+    ("Answer: 34\n", 100_000, "Checking: 30 + 4 = 34.\n"),
 ]
 
 
@@ -119,6 +124,29 @@ def test_a_restated_answer_earns_what_one_statement_earns(statement, times, padd
     assert reward(text, "35") == 0.0
     assert reward(text + "Wait, that's wrong.", "34") == 0.0  # a retraction after the last one
     assert reward(text + "\\boxed{35}", "34") == 0.0  # a different last answer is a second answer
+
+
+def test_collapsing_repeated_pieces_never_changes_the_answer(monkeypatch):
+    """verify._collapse keeps a run of identical pieces as a few copies: on texts built from repeated pieces (boxes,
+    clauses, cues, hedges, brackets, $, numbers) with fewer markers than MAX_COMMITS, the reward with the collapse
+    equals the reward without it (COLLAPSE_ABOVE raised so that nothing collapses), for every gold."""
+    import random
+    pieces = ["The answer is 5. ", "\\boxed{5} ", "\\boxed{6}. Wait, that's wrong. ", "#### 5\n", "Answer: 7\n",
+              "the answer is ", "so 2 + 3 = 5; ", "Hmm, maybe 6? ", "Let me re-check: yes. ", "(x ", "$5$ ", "\\boxed{5",
+              "}", "Did I count it twice?\n", "x" * 40 + " ", "\n", "The answer is $\\boxed{5}$.\n", "answer = 5, "]
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) * rng.choice([1, 1, 2, 30, 120]) for _ in range(rng.randint(1, 6)))
+        if sum(text.lower().count(k) for k in ("answer", "\\boxed", "####")) > verify.MAX_COMMITS:
+            continue
+        with_collapse = [reward(text, g) for g in ("5", "6", "7")]
+        with monkeypatch.context() as m:
+            m.setattr(verify, "COLLAPSE_ABOVE", 10 ** 9)
+            without = [reward(text, g) for g in ("5", "6", "7")]
+        assert with_collapse == without, text[:300]
+        checked += verify._collapse(text) != text
+    assert checked > 50  # the collapse did shorten most of them
 
 
 # ---------------------------------------------------------------------------------------- A3

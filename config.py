@@ -160,6 +160,14 @@ class Config:
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
     micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation
                                         #   memory
+    activation_checkpointing: str = "auto"  # recompute each block's activations in backward:
+                                        #   true | false | auto (on where memory.plan says the
+                                        #   saved activations would not fit the GPU)
+    grad_sync: str = "auto"             # FSDP2's gradient reduce-scatter: last (once a step; full
+                                        #   fp32 gradients held between micro-batches) | every
+                                        #   (each micro-batch: sharded gradients only) | auto
+                                        #   (every where memory.plan says the full ones would not
+                                        #   fit)
     # --- LoRA (Hu et al. 2021; lora.py): a frozen base, adapters on its linear layers
     lora_rank: int = 0                  # r of every adapter (0: off, full fine-tuning); Schulman et
                                         #   al. 2025 ("LoRA Without Regret") use ~10× the full lr
@@ -189,7 +197,7 @@ class Config:
     eval_every: int = 400               # held-out eval every K steps (0: only at the end of each
                                         #   stage)
     eval_n: int = 500                   # held-out problems (fixed, disjoint from training prompts)
-    eval_k: int = 8                     # samples per problem for sampled pass@1 and maj@k
+    eval_k: int = 8                     # samples per problem: sampled pass@1, maj@k, pass@2..k
     eval_seed: int = 1234567            # the held-out set's seed, independent of `seed`
     eval_batch: int = 64                # held-out problems per sampling call, all ranks (bounds the
                                         #   KV cache)
@@ -208,7 +216,9 @@ class Config:
         "kl_estimator": grpo.KL_ESTIMATORS, "tis": ("auto", "none") + grpo.TIS_LEVELS,
         "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"), "cov": ("none", "clip", "kl"),
         "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
-        "save_dtype": ("", "float32", "bfloat16", "float16")}
+        "save_dtype": ("", "float32", "bfloat16", "float16"),
+        "activation_checkpointing": ("auto", "true", "false"),
+        "grad_sync": ("auto", "last", "every")}
 
     # r_i − β Σ_t k1 before Â (credit.kl_reward), not in the loss
     @property

@@ -7,14 +7,18 @@
      run's DEVICE (NCCL rejects CPU tensors; gloo accepts them, so CPU tests can't see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world
      size (one GPU computes as eight do); frozen_copy: plain full weights (π_ref; the sampling
-     copy, re-gathered lazily, one parameter at a time); grad_sync: gradients reduce-scattered
-     once per optimizer step, not per micro-batch; compiled_sampling: whether generate runs the
+     copy, re-gathered lazily, one parameter at a time); gradients reduce-scattered once per
+     optimizer step, or every micro-batch (grad_sync = "every": no full fp32 gradients held
+     between them; memory.py decides "auto"); compiled_sampling: whether generate runs the
      compiled decode step (train.py's cpu_compile).
-  4. save_checkpoint: step_N/ = a Hugging Face folder + trainer_state.pt, renamed into place only
-     when complete.
+  4. save_checkpoint: step_N/ = a Hugging Face folder (the export transformers and vLLM load) +
+     shards/ (torch.distributed.checkpoint: every rank writes its own shards of the fp32 weights
+     and the optimizer, in parallel) + trainer_state.pt, renamed into place only when complete;
+     load_shards resumes from them exactly.
 The Logger (console, metrics.jsonl, W&B) lives in logger.py.
 """
 import dataclasses
+import datetime
 import glob
 import os
 import shutil
@@ -23,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp_io
 from torch.distributed.checkpoint import state_dict as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -44,17 +49,18 @@ class Proc(NamedTuple):
     device: torch.device
 
 
-def setup(device: str = "auto", threads: int = 0) -> Proc:
+def setup(device: str = "auto", threads: int = 0, timeout: float = 3600.0) -> Proc:
     """Join the process group torchrun describes (or run alone); device auto: cuda:LOCAL_RANK if
-    available."""
+    available; timeout: seconds a collective may wait (a checkpoint's write, an evaluation)."""
     env = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     rank, world, local = (int(os.environ.get(k, d)) for k, d in env)
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     dev = torch.device(f"cuda:{local}" if cuda else "cpu" if device in ("auto", "cuda") else device)
     if cuda:
         torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if world > 1 and not dist.is_initialized():  # NCCL's own default would be 10 minutes
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
     # FSDP2's mixed precision on one GPU too: a 1-rank process group
     elif cuda and not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -116,13 +122,13 @@ def micro_batches(prompts: list, completions: list, budget: int) -> tuple[list[l
     return plan, int(all_max(len(plan))) - len(plan)
 
 
-def padding_passes(model, n: int, backward: bool = True):
+def padding_passes(model, n: int, backward: bool = True, every: bool = False):
     """n forward (and backward) passes of one token that add nothing to any gradient, for a rank
     with fewer micro-batches than the busiest (micro_batches); the last backward reduce-scatters
-    the step's gradients."""
+    the step's gradients (every: each one does, as the busiest rank's micro-batches do)."""
     for i in range(n):
         if backward and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(i == n - 1)
+            model.set_requires_gradient_sync(every or i == n - 1)
         out = model(torch.zeros(1, 1, dtype=torch.long, device=DEVICE))  # [1, 1, V] logits
         if backward:
             (out.sum() * 0.0).backward()
@@ -181,7 +187,9 @@ def frozen_copy(model, device) -> Transformer:
     the start; the sampling weights: 2 bytes/param per rank, decoding outside FSDP's hooks, never a
     gather per token)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ref = Transformer(model.config).to(device, dtype)
+    with torch.device("meta"):  # no random init, no fp32 host copy: storage made in dtype, filled
+        ref = Transformer(model.config).to(dtype)
+    ref = ref.to_empty(device=device)
     refresh(ref, model)
     return ref.requires_grad_(False).eval()
 
@@ -193,9 +201,13 @@ def refresh(copy, model, lazy=False):
     is gathered: the peak is one parameter. lazy (an optimizer step): only mark it stale."""
     if copy is not None:
         dst, dtype = dict(copy.named_parameters()), next(copy.parameters()).dtype
-        for name, x in lora.merged_parameters(model, dtype) if not lazy else ():
+        # LoRA: what never changes (all but the merged weights) is copied at the first refresh only
+        frozen = not getattr(copy, "frozen_copied", False)
+        for name, x in lora.merged_parameters(model, dtype, frozen) if not lazy else ():
             dst[name].copy_(x)
         copy.stale = lazy
+        copy.frozen_copied = getattr(copy, "frozen_copied", False) or (
+            not lazy and bool(lora.adapters(model)))
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:
@@ -260,8 +272,11 @@ def latest_checkpoint(out_dir: str) -> tuple[int, str, dict | None]:
         dist.broadcast_object_list(box := [n], src=0)
         n = box[0]
     path = os.path.join(out_dir, f"step_{n}")
-    # mmap: a tensor's pages are read when used, so a sampler rank never reads the optimizer's
-    # (fp32 Adam: 8 bytes a parameter), and the ranks of a node share one page cache
+    if n and not os.path.exists(os.path.join(path, "trainer_state.pt")):
+        raise RuntimeError(f"rank {dist.get_rank()}: rank 0 resumes {path}, which this rank does "
+                           "not see: out_dir must be one folder every node shares")
+    # mmap: a tensor's pages are read when used (an earlier layout's optimizer, unread by
+    # sampler ranks), and the ranks of a node share one page cache
     state = n and torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False, mmap=True)
     return (n, path, state) if n else (0, "", None)
 
@@ -282,25 +297,57 @@ def save_run(run, state, step: int, stage: str, opt, sched):
 def save_checkpoint(proc: Proc, out_dir: str, step: int, model, tokenizer, opt, trainer_state: dict,
                     ref=None, keep: int = 0, dtype=None, base: str = ""):
     """out_dir/step_N/: save_pretrained's Hugging Face folder (weights in `dtype`, default the
-    source folder's; its tokenizer and generation files, else `tokenizer`), trainer_state.pt
-    ({"optimizer": ..., **trainer_state}) and ref_model.pt when a reference model is given; keeps
-    the newest `keep` checkpoints (0: all). A LoRA model: the merged weights, and its adapter in
-    PEFT's format over `base` (lora.py step 3)."""
+    source folder's; its tokenizer and generation files, else `tokenizer`), shards/ (every rank's
+    shards of the fp32 model and the optimizer, written in parallel: load_shards), trainer_state.pt
+    (written last) and ref_model.pt when a reference model is given; keeps the newest `keep`
+    checkpoints (0: all). A LoRA model: the merged weights, and its adapter in PEFT's format over
+    `base` (lora.py step 3)."""
     adapter = lora.adapter_state(model)  # every rank gathers; {} without LoRA
-    model_sd, opt_sd = full_state(model, opt, weights=not adapter)  # LoRA: merged, gathered once
+    model_sd = full_state(model, weights=not adapter)[0]  # the export's weights, on rank 0
     model_sd = lora.merged_state(model, keep=proc.rank == 0) if adapter else model_sd
+    final = os.path.join(out_dir, f"step_{step}")
+    tmp = final + ".tmp"
     if proc.rank == 0:
-        final = os.path.join(out_dir, f"step_{step}")
-        shutil.rmtree(tmp := final + ".tmp", ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()  # a clean tmp/ before any rank writes into it
+    dcp_io.save(training_state(model, opt), checkpoint_id=os.path.join(tmp, SHARDS),
+                process_group=GROUP)
+    if proc.rank == 0:
         model.save_pretrained(tmp, tokenizer=tokenizer, dtype=dtype, state_dict=model_sd)
         if adapter:
             lora.save_adapter(os.path.join(tmp, lora.ADAPTER_DIR), model, adapter, base)
         if ref is not None:
             torch.save(ref.state_dict(), os.path.join(tmp, "ref_model.pt"))
-        torch.save({"optimizer": opt_sd, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(complete_checkpoints(out_dir))[:-keep] if keep else []:
             shutil.rmtree(os.path.join(out_dir, f"step_{old}"), ignore_errors=True)
+    barrier()
+
+
+SHARDS = "shards"  # step_N/'s torch.distributed.checkpoint folder
+
+
+def barrier():
     if dist.is_initialized():
         dist.barrier(GROUP)
+
+
+def training_state(model, opt) -> dict:
+    """This rank's shards of the model (fp32, whatever the export's dtype) and the optimizer, by
+    parameter name: what torch.distributed.checkpoint writes and reads in place."""
+    return {"model": dcp.get_model_state_dict(model),
+            "optimizer": dcp.get_optimizer_state_dict(model, opt)}
+
+
+def load_shards(model, opt, path: str):
+    """Resume exactly: checkpoint folder `path`'s shards/ into this rank's model and optimizer;
+    a checkpoint of the earlier layout (the optimizer in trainer_state.pt) is read from there."""
+    if not os.path.isdir(os.path.join(path, SHARDS)):
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False, mmap=True)
+        return load_optimizer(model, opt, state["optimizer"])
+    state = training_state(model, opt)
+    dcp_io.load(state, checkpoint_id=os.path.join(path, SHARDS), process_group=GROUP)
+    dcp.set_model_state_dict(model, state["model"])
+    dcp.set_optimizer_state_dict(model, opt, state["optimizer"])

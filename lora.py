@@ -60,11 +60,6 @@ class LoRALinear(nn.Module):
         low = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         return F.linear(x, self.weight, self.bias) + self.scale * low
 
-    def delta(self) -> torch.Tensor:
-        """(α/r)·B A [out, in] in float32, from full (unsharded) A and B."""
-        a, b = (full(p.detach()).float() for p in (self.lora_A, self.lora_B))
-        return self.scale * (b @ a)
-
 
 def full(x: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole tensor (every rank of its mesh calls), a plain tensor as it is."""
@@ -106,20 +101,37 @@ def adapters(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 @torch.no_grad()
-def merged_parameters(model: nn.Module, dtype=None):
+def merged_parameters(model: nn.Module, dtype=None, frozen: bool = True):
     """(name, tensor) of the plain model's parameters: W + (α/r)·B A at each LoRALinear's weight,
-    lora_A / lora_B left out, everything else as it is; whole tensors (every rank calls), in `dtype`
-    if given (the merge itself in float32)."""
+    lora_A / lora_B left out, everything else as it is (frozen=False: without the parameters that
+    never change under LoRA, those outside the merged weights); whole tensors (every rank calls), in
+    `dtype` if given (the merge itself in float32)."""
     layers = adapters(model)
     for name, p in model.named_parameters():
         module, _, leaf = name.rpartition(".")
         if leaf in ("lora_A", "lora_B"):
             continue
         if module in layers and leaf == "weight":
-            x = (full(p.detach()).float() + layers[module].delta()).to(dtype or p.dtype)
-        else:
+            x = merged_weight(p.detach(), layers[module], dtype or p.dtype)
+        elif frozen or p.requires_grad:
             x = full(p.detach().to(dtype or p.dtype))
+        else:
+            continue
         yield name, x
+
+
+def merged_weight(w: torch.Tensor, layer: LoRALinear, dtype) -> torch.Tensor:
+    """W + (α/r)·B A, whole, in dtype. Under FSDP2, each rank merges its own rows of W and B (they
+    shard alike, by rows; A, r x in, is gathered whole) and only the merged rows, in dtype, are
+    gathered: not W in float32."""
+    a = full(layer.lora_A.detach()).float()                                           # [r, in]
+    b = layer.lora_B.detach()                                                         # [out, r]
+    if not isinstance(w, DTensor):
+        return (w.float() + layer.scale * (b.float() @ a)).to(dtype)
+    assert b.placements == w.placements and b.shape[0] == w.shape[0], (b.placements, w.placements)
+    rows = (w.to_local().float() + layer.scale * (b.to_local().float() @ a)).to(dtype)
+    return DTensor.from_local(rows, w.device_mesh, w.placements, shape=w.shape,
+                              stride=w.stride()).full_tensor()
 
 
 def merged_state(model: nn.Module, keep: bool) -> dict:

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 # the files of a source folder that step_N/ does NOT carry over: weights, config.json (rewritten),
 # model cards, dotfiles
@@ -288,6 +289,10 @@ class KVCache:
 
 
 class Transformer(nn.Module):
+    # recompute each block's activations in backward (train.build_run sets it from memory.resolve);
+    # frozen copies and from_pretrained models keep this default
+    checkpointing = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -351,8 +356,14 @@ class Transformer(nn.Module):
                     (keys[None, None, :] >= st[:, None, None])
                     | (keys[None, :] == slots[:, None])[None])
                 mask = mask[:, None]                                         # [B, 1, T, S]
+        # activation checkpointing where a backward follows: keep only each block's input, rerun the
+        # block in backward (FSDP2's hooks all-gather its weights again); never with a KV cache
+        recompute = self.checkpointing and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.model.layers):
-            h = block(h, cos, sin, mask, cache, i)
+            if recompute:
+                h = checkpoint(block, h, cos, sin, mask, cache, i, use_reentrant=False)
+            else:
+                h = block(h, cos, sin, mask, cache, i)
         if cache is not None:
             cache.slot += T
             cache.n += 0 if cache.width else T

@@ -40,6 +40,7 @@ import grpo
 import guard
 import infra
 import lora
+import memory
 from config import Config, parse_args
 # the printed formula; what options beyond the default path add to a step
 from objective import Options, objective
@@ -63,6 +64,7 @@ class Run:
     sampler: Transformer | None = None  # the policy's weights outside FSDP, for generate
     teacher: Transformer | None = None  # π_T, frozen and unsharded (on-policy distillation only)
     link: async_rl.Link | None = None   # sampler_ranks > 0: this side of the rollout channel
+    sync_every: bool = False            # FSDP2 reduce-scatters every micro-batch (grad_sync)
     # derived once from the above (__post_init__)
     static: bool | None = field(init=False)  # generate's compiled step (None: the device's default)
     sharded: bool = field(init=False)        # FSDP2 wraps the policy (several ranks, or CUDA)
@@ -117,7 +119,8 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     """Join the processes, build or load the policy (sharded, float32; LoRA: `adapter` on resume)
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
-    proc, link = async_rl.split(infra.setup(cfg.device, cfg.threads), cfg)  # link: async's sides
+    proc = infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
+    proc, link = async_rl.split(proc, cfg)  # link: async's sides
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
         tok = load_tokenizer(cfg.init_from)
@@ -135,9 +138,12 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     if link and not link.trains:  # a sampler rank: a plain copy; weights come from the trainers
         return Run(cfg, proc, infra.frozen_copy(model.to(proc.device), proc.device), task,
                    link=link)
+    # activation checkpointing and the gradient reduce-scatter's schedule: as set, or by the plan
+    model.checkpointing, sync_every = memory.resolve(cfg, model.config, proc)
     model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy (sampling_copy)
     return Run(cfg, proc, model, task, sampler=infra.sampling_copy(model, proc),
-               teacher=distill.load_teacher(cfg, tok, proc.device), link=link)
+               teacher=distill.load_teacher(cfg, tok, proc.device), link=link,
+               sync_every=sync_every)
 
 
 def make_optimizer(run: Run, lr: float, total: int):
@@ -352,11 +358,11 @@ def sft_update(run: Run, opt, sched, prompts: list, comps: list) -> dict:
         mask = keep[rows, :logp.shape[1]]                                               # [n, L]
         loss = grpo.sft_loss(logp, mask, loss_scale=norm)
         if run.sharded:  # FSDP2 reduce-scatters the gradients in the last backward
-            run.model.set_requires_gradient_sync(b == len(plan) - 1 + pad_passes)
+            run.model.set_requires_gradient_sync(run.sync_every or b == len(plan) - 1 + pad_passes)
         (loss * proc.world).backward()  # FSDP averages over ranks: undo it
         metrics.append({"train/loss": loss, "train/entropy": (entropy * mask).sum() / norm})
     if pad_passes:
-        infra.padding_passes(run.model, pad_passes)
+        infra.padding_passes(run.model, pad_passes, every=run.sync_every)
     gnorm = optimizer_step(run, opt)
     sched.step()
     return {**infra.reduce_metrics(metrics), "train/grad_norm": gnorm,
@@ -401,10 +407,11 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             loss, terms = grpo.policy_loss(logp, mask=mask, **run.loss_kw, **fixed[b])
             metrics.append(grpo.loss_sums(loss, terms, mask, entropy, batch.sampler_logp[rows]))
             if run.sharded:  # FSDP2 reduce-scatters the gradients in the step's last backward
-                run.model.set_requires_gradient_sync(b == len(batch.plan) - 1 + batch.pad_passes)
+                last = b == len(batch.plan) - 1 + batch.pad_passes  # (grad_sync every: in each)
+                run.model.set_requires_gradient_sync(run.sync_every or last)
             (loss * run.proc.world).backward()  # FSDP averages gradients over ranks: undo it
         if batch.pad_passes:  # fewer rows than the busiest rank: passes that add nothing
-            infra.padding_passes(run.model, batch.pad_passes)
+            infra.padding_passes(run.model, batch.pad_passes, every=run.sync_every)
         losses = [m["loss"] for m in metrics[len(metrics) - len(batch.plan):]]  # this epoch's
         gnorm = optimizer_step(run, opt, losses)  # a NaN on any rank: every rank skips
         if not torch.isfinite(gnorm):
@@ -488,8 +495,8 @@ def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total
     opt, sched = make_optimizer(run, *((cfg.sft_lr, cfg.sft_steps) if stage == "sft" else
                                        (cfg.lr, cfg.rl_steps)))
     resumed = saved and step == latest + 1  # mid-stage: the optimizer and π_ref continue
-    if resumed and saved["stage"] == stage:
-        infra.load_optimizer(run.model, opt, saved["optimizer"])
+    if resumed and saved["stage"] == stage:  # the fp32 weights and the optimizer, exactly
+        infra.load_shards(run.model, opt, ckpt)
         sched.load_state_dict(saved["scheduler"])
     if stage == "rl" and cfg.beta > 0:
         run.ref = infra.frozen_copy(run.model, run.proc.device)
@@ -503,6 +510,8 @@ def start_stage(run: Run, cfg: Config, stage: str, step: int, latest: int, total
 
 
 def main(cfg: Config) -> dict:
+    checks.check(cfg)  # every mistake in one line, then the process group: ranks agree on a resume
+    infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
     latest, ckpt, saved = infra.latest_checkpoint(cfg.out_dir) if cfg.resume else (0, "", None)
     if latest and not cfg.lora_rank:  # resume: weights from the checkpoint (LoRA: its adapter
         cfg = dataclasses.replace(cfg, init_from=ckpt)  # on the same base), the rest from its state

@@ -25,9 +25,11 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, monkeypatch):
+@pytest.mark.parametrize("every", [False, True], ids=["grad_sync=last", "grad_sync=every"])
+def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, monkeypatch, every):
     """train.sft_update over 4+ micro-batches: with FSDP2 on one gloo rank, each sharded module's gradients are
-    reduced once (before: once per micro-batch), and they equal the plain module's to float32 rounding."""
+    reduced once (before: once per micro-batch), and they equal the plain module's to float32 rounding; with
+    grad_sync = "every" (no full fp32 gradients held between micro-batches) once per micro-batch, equal too."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
     cfg = train.parse_args(["--config", os.path.join(ROOT, "configs", "smoke.toml"), "--micro_batch_tokens=60",
                             "--threads=1", "--device=cpu", "--n_layers=2"])
@@ -52,8 +54,9 @@ def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, mo
     n_micro = len(infra.micro_batches(prompts, comps, run.cfg.micro_batch_tokens)[0])
     for model in (run.model, sharded):
         opt, sched = train.make_optimizer(dataclasses.replace(run, model=model), 1e-3, 10)
-        train.sft_update(dataclasses.replace(run, model=model), opt, sched, prompts, comps)
-    assert n_micro >= 4 and len(reductions) == 3, (n_micro, len(reductions))  # 2 blocks + the root, once each
+        train.sft_update(dataclasses.replace(run, model=model, sync_every=every), opt, sched, prompts, comps)
+    want = 3 * (n_micro if every else 1)  # 2 blocks + the root, once each (every: in each micro-batch)
+    assert n_micro >= 4 and len(reductions) == want, (n_micro, len(reductions))
     for k, want in grads[run.model].items():
         assert torch.allclose(grads[sharded][k], want, rtol=1e-5, atol=1e-7), k
 
@@ -142,3 +145,98 @@ def test_a_resume_reads_the_optimizer_state_only_where_it_is_used(tmp_path):
             "assert float(saved['optimizer']['exp_avg'][-1]) == 1.0  # a trainer reads what it uses\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path), ROOT], capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) < 64, out.stdout  # MiB of peak RSS added by the load
+
+
+SHARDED = r"""
+import os, sys
+import torch, torch.distributed as dist
+import infra
+from model import ModelConfig, Transformer, build_char_tokenizer
+out, proc = sys.argv[1], infra.setup("cpu", 1, 60)
+cfg = ModelConfig(vocab_size=40, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=64,
+                  max_seq_len=32)
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = infra.shard(Transformer(cfg), proc)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def flat(x, key=""):  # a nested state dict's leaves by path
+    if isinstance(x, (dict, list, tuple)):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        return {k2: v for k, v in items for k2, v in flat(v, f"{key}/{k}").items()}
+    return {key: x}
+
+
+def same(a, b):
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+model, opt = build(0)
+x = torch.randint(0, 40, (4, 8))
+for _ in range(2):
+    model(x).float().logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+infra.save_checkpoint(proc, out, 7, model, build_char_tokenizer("abc"), opt, {"step": 7})
+files = sorted(os.listdir(os.path.join(out, "step_7", infra.SHARDS)))
+assert sum(f.endswith(".distcp") for f in files) == 2, files  # each rank wrote its own shards
+assert "optimizer" not in torch.load(os.path.join(out, "step_7", "trainer_state.pt"), weights_only=False)
+other, other_opt = build(1)
+infra.load_shards(other, other_opt, os.path.join(out, "step_7"))
+want, got = (infra.full_state(m, o, rank0_only=False) for m, o in ((model, opt), (other, other_opt)))
+for a, b in zip(want, got):
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys() and all(same(fa[k], fb[k]) for k in fa), [k for k in fa if not same(fa[k], fb[k])]
+# the resume step is rank 0's, whatever a rank's own disk holds
+rank = proc.rank
+for name, steps in (("agree", {0: [3], 1: [3, 5]}), ("missing", {0: [4], 1: []})):
+    d = os.path.join(out, f"{name}{rank}")
+    for n in steps[rank]:
+        os.makedirs(os.path.join(d, f"step_{n}"))
+        torch.save({"state": {}}, os.path.join(d, f"step_{n}", "trainer_state.pt"))
+    try:
+        print(f"rank {rank} {name}: step {infra.latest_checkpoint(d)[0]}", flush=True)
+    except RuntimeError as e:
+        print(f"rank {rank} {name}: error {e}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_checkpoints_are_written_by_every_rank_and_resume_exactly(tmp_path):
+    """Two gloo ranks: save_checkpoint writes each rank's shards of the fp32 weights and the optimizer (no rank
+    gathers the optimizer), load_shards restores both exactly into differently initialised copies, and the resume
+    step is rank 0's: a rank that sees a newer step resumes rank 0's, one that lacks rank 0's says so."""
+    (tmp_path / "worker.py").write_text(SHARDED)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "worker.py"), str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rank 0 agree: step 3" in p.stdout and "rank 1 agree: step 3" in p.stdout, p.stdout
+    assert "rank 0 missing: step 4" in p.stdout, p.stdout
+    assert "rank 1 missing: error rank 1: rank 0 resumes" in p.stdout and "out_dir must be one folder" in p.stdout
+
+
+def test_a_frozen_copy_is_built_without_a_random_init(monkeypatch):
+    """infra.frozen_copy (the sampling copy, π_ref, a sampler rank's model): made on the meta device in its dtype,
+    then filled from the policy; no normal_ init (at 7B: a minute and 30 GB of host RAM per copy before)."""
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig(vocab_size=40, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                     intermediate_size=64, max_seq_len=32))
+
+    drawn, normal = [], torch.nn.init.normal_
+
+    def recorded(*a, **kw):
+        drawn.append((a[0] if a else kw["tensor"]).device.type)
+        return normal(*a, **kw)
+    monkeypatch.setattr(torch.nn.init, "normal_", recorded)
+    copy_ = infra.frozen_copy(policy, torch.device("cpu"))
+    assert drawn and set(drawn) == {"meta"}  # the init ran on no storage
+    x = torch.randint(0, 40, (2, 6))
+    assert torch.equal(copy_(x), policy(x)) and not any(p.requires_grad for p in copy_.parameters())

@@ -278,3 +278,22 @@ def test_the_async_sampler_is_on_the_adapted_policy(tmp_path):
     recs = records(tmp_path)
     assert all(r["train/grad_norm"] > 1e-3 for r in recs if r["stage"] == "rl" and "train/loss" in r)
     assert len(gaps(recs)) == 4 and max(gaps(recs)) < 1e-4, gaps(recs)
+
+
+def test_a_refresh_copies_the_frozen_tensors_once_and_the_merged_weights_every_time():
+    """infra.refresh of a LoRA policy's sampling copy: the first copies everything; later ones only W + (α/r)·B A
+    (the frozen embeddings, norms and head never change: before, every refresh gathered them again)."""
+    model = lora.wrap(tiny(), rank=4, alpha=8.0)
+    copy_ = infra.frozen_copy(model, torch.device("cpu"))
+    assert copy_.frozen_copied
+    with torch.no_grad():
+        copy_.model.norm.weight.fill_(7.0)  # a frozen tensor, changed in the copy only
+        for m in lora.adapters(model).values():
+            m.lora_B.normal_(0, 0.3)
+    infra.refresh(copy_, model)
+    assert (copy_.model.norm.weight == 7.0).all()  # not copied again
+    merged = dict(lora.merged_parameters(model))
+    for name, p in copy_.named_parameters():
+        if name.endswith("proj.weight"):
+            assert torch.equal(p, merged[name]), name  # the merged weights: fresh
+    assert [n for n, _ in lora.merged_parameters(model, frozen=False)] == [n for n in merged if n.endswith("proj.weight")]

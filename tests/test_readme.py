@@ -13,6 +13,7 @@ import pytest
 
 import checks
 import cli
+import memory
 from tools import compare_trl
 import evaluate
 from tools import plot
@@ -55,6 +56,9 @@ def test_every_readme_command_parses_and_passes_the_checks():
         elif script == "rollout.py":  # its parser lives in main(): each flag is one of its add_argument calls
             source = open(os.path.join(ROOT, script)).read()
             assert all(f'add_argument("{a}"' in source for a in args if a.startswith("--")), words
+        elif script == "memory.py":  # the plan runs as written: its table, and the preset fits
+            table = memory.main([os.path.join(ROOT, a) if a.startswith("configs/") else a for a in args])
+            assert "margin" in table, table
         elif script == "python -m tools.oracle":
             assert args == [], words  # tools/oracle.py takes no arguments
         elif script == "python -m tools.gguf_to_hf":  # the converter: each flag is one of its add_argument calls

@@ -1,5 +1,5 @@
-"""The held-out evaluation train.py runs (train.evaluate: the same function, not a copy), \
-as a command line.
+"""The held-out evaluation train.py runs (pass@1, maj@k, pass@k; train.evaluate: the same \
+function, not a copy), as a command line.
 
   1. Load the checkpoint folder --ckpt as train.py loads init_from: weights, tokenizer, chat
      template, stop ids.
@@ -10,8 +10,10 @@ as a command line.
   3. Print greedy pass@1, sampled pass@1, both again counting only completions that ended at a
      stop token ("stopped": a right answer cut off by max_new_tokens is not a finished solution),
      maj@k (the most frequent extracted answer of the k samples), answer rate (sampled, greedy),
-     mean completion length, truncation rate (no stop token within max_new_tokens), pass@1 per
-     level and, for a composite reasoning-gym dataset, per member.
+     mean completion length, truncation rate (no stop token within max_new_tokens), pass@k for
+     k = 2, 4, ... up to eval_k (Chen et al. 2021's unbiased estimator from the eval_k samples:
+     does the model solve more with more tries?), pass@1 per level and, for a composite
+     reasoning-gym dataset, per member.
   4. --samples_out FILE.jsonl: one JSON object per completion, greedy first: problem,
      kind (greedy | sampled), prompt (the rendered prompt text, exactly what was tokenized),
      completion, answer (extracted, or null), gold, correct, truncated, finish (how the sample
@@ -34,6 +36,7 @@ share of the problems, as in training.
 """
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -69,7 +72,8 @@ def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float,
     out += [f"  {name.replace('@k', f'@{cfg.eval_k}'):24s}{rec['eval/' + key]:10.3f}"
             for key, name in ROWS]
     out += [f"  {key[5:].replace('_', ' '):24s}{v:10.3f}"
-            for key, v in rec.items() if "tool" in key or "scorer" in key]
+            for key, v in rec.items() if "tool" in key or "scorer" in key
+            or re.fullmatch(r"eval/pass@\d+_sampled", key) and key != "eval/pass@1_sampled"]
     out.append(f"  {'level':>8s}{'problems':>10s}{'greedy':>10s}{'sampled':>10s}")
     out += [f"  {lv:8d}{n:10d}{rec[f'eval/pass@1_L{lv}']:10.3f}"
             f"{rec[f'eval/pass@1_sampled_L{lv}']:10.3f}"

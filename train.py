@@ -428,9 +428,18 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
 
 
 # ===================================================================================== evaluation
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. 2021's unbiased pass@k from n samples of which c are right:
+    1 − C(n−c, k) / C(n, k): the chance that k of the n, drawn without replacement, hold a right
+    one."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def eval_row(g: Group, s: Group, k: int) -> dict:
-    """One held-out problem's numbers from its greedy group g and its k sampled completions s."""
+    """One held-out problem's numbers from its greedy group g and its k sampled completions s
+    (pass@j for j = 2, 4, ... <= k, from the k samples)."""
     answers = [verify.extract_answer(t) for t in s.texts]
+    right = sum(score >= 1 for score in s.scores)
     votes = Counter(a for a in answers if a is not None).most_common(1)
     return {"pass@1": g.scores[0], "pass@1_sampled": sum(s.scores) / k,
             f"maj@{k}": s.scores[answers.index(votes[0][0])] if votes else 0.0,
@@ -441,7 +450,8 @@ def eval_row(g: Group, s: Group, k: int) -> dict:
             # a right answer that did not end at a stop token is not a finished solution
             "completed_pass@1": g.scores[0] * (g.finish[0] == "stop"),
             "completed_pass@1_sampled": sum(c for c, f in zip(s.scores, s.finish) if f == "stop")
-            / k}
+            / k, **{f"pass@{2 ** i}_sampled": pass_at_k(k, right, 2 ** i)
+                    for i in range(1, k.bit_length())}}
 
 
 def evaluate(run: Run, step: int, logger: Logger | None = None,

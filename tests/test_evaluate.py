@@ -73,3 +73,22 @@ def test_evaluate_in_chunks_equals_one_call(tmp_path):
         results.append((train.evaluate(run, 0, samples=samples), samples))
     assert results[0] == results[1] and len(results[0][1]) == 5 * 3
     assert len({r["completion"] for r in results[0][1]}) > 1  # not a degenerate equality
+
+
+def test_pass_at_k_is_the_brute_force_share_of_k_subsets_with_a_right_sample():
+    """Chen et al.'s unbiased estimator against counting every k-subset of n samples, and eval_row's pass@k keys."""
+    import itertools
+    for n in range(1, 9):
+        for c in range(n + 1):
+            right = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(right, k))
+                want = sum(any(s) for s in subsets) / len(subsets)
+                assert abs(train.pass_at_k(n, c, k) - want) < 1e-12, (n, c, k)
+    g = train.Group(pos=0, pid=0, problem=None, prompt=[], comps=[[1]] * 8, texts=["#### 4"] * 8, logprobs=[],
+                    truncated=[False] * 8, scores=[1.0, 0, 0, 0, 0, 0, 0, 1.0], finish=["stop"] * 8)
+    row = train.eval_row(g, g, 8)
+    assert [k for k in row if k.startswith("pass@") and k.endswith("_sampled")] == [
+        "pass@1_sampled", "pass@2_sampled", "pass@4_sampled", "pass@8_sampled"]
+    assert row["pass@1_sampled"] == 0.25 and row["pass@8_sampled"] == 1.0
+    assert abs(row["pass@2_sampled"] - (1 - 15 / 28)) < 1e-12  # 1 − C(6,2)/C(8,2)

@@ -51,6 +51,26 @@ def test_curves_group_seeds_and_give_mean_and_range(tmp_path):
         plot.read_run(str(tmp_path / "nope"))
 
 
+def test_pass_at_k_curves_are_the_last_evaluations_by_k(tmp_path):
+    """--kind passk: {k: eval/pass@k_sampled} of each run's last evaluation, mean and range over seeds."""
+    def run(seed, last):
+        recs = [{"step": 0, "stage": "base", "eval/pass@1": 0.0, "eval/pass@1_sampled": 0.1, "eval/pass@2_sampled": 0.2,
+                 "eval/pass@4_sampled": 0.3},
+                {"step": 5, "stage": "rl", "eval/pass@1": 0.5, "eval/pass@1_sampled": last[0],
+                 "eval/pass@2_sampled": last[1], "eval/pass@4_sampled": last[2]}]
+        return write_run(tmp_path / f"rl_s{seed}", recs)
+    runs = [run(0, (0.4, 0.6, 0.7)), run(1, (0.6, 0.8, 0.9))]
+    assert plot.curve(plot.read_run(runs[0]), "pass@k", "passk") == {1: 0.4, 2: 0.6, 4: 0.7}
+    xs, mean, lo, hi = plot.collect(runs, "passk")["rl"]["pass@k"]
+    assert xs == [1, 2, 4] and mean == pytest.approx([0.5, 0.7, 0.8]) and lo == [0.4, 0.6, 0.7]
+    assert "rl                 pass@k                   k        4: mean 0.800" in plot.table(
+        plot.collect(runs, "passk"), "passk")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "passk.png"
+    plot.draw(plot.collect(runs, "passk"), "passk", str(out), "pass@k")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_missing_matplotlib_is_one_clear_line(tmp_path, monkeypatch):
     data = plot.collect([demo(tmp_path, 0, (0.4, 0.8), [0.2])], "eval")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError

@@ -6,6 +6,8 @@
   2. --kind eval: held-out greedy and sampled pass@1 (eval/pass@1, eval/pass@1_sampled) against the
      training step (SFT steps, then RL steps), the mean over a group's seeds with their range (min
      to max) shaded, at the steps every seed evaluated (band).
+     --kind passk: pass@k against k (1, 2, 4, ... eval_k) at each run's last evaluation, so base,
+     RL and RFT runs compare on one figure (Yue et al. 2025's question: more tries, more solved?);
      --kind train: train/reward and the keep rate (train/kept_groups_frac) per RL step, mean and
      range over seeds; --kind tools: the share of completions that call a tool and the accuracy
      (train/tool_call_rate, /accuracy).
@@ -33,7 +35,8 @@ PANELS = {"eval": [("eval/pass@1", "held-out greedy pass@1"),
           "train": [("train/reward", "train reward (mean over the step's samples)"),
                     ("train/kept_groups_frac", "dynamic sampling: share of groups kept")],
           "tools": [("train/tool_call_rate", "share of completions that call the tool (train)"),
-                    ("train/accuracy", "train accuracy (the verifier)")]}
+                    ("train/accuracy", "train accuracy (the verifier)")],
+          "passk": [("pass@k", "held-out pass@k at the last evaluation (sampled, unbiased)")]}
 
 
 def read_run(path: str) -> list[dict]:
@@ -54,7 +57,11 @@ def group_name(path: str) -> str:
 
 def curve(records: list[dict], key: str, kind: str) -> dict[int, float]:
     """{x: value} of one run: eval keys by training step, train keys by RL step (1, 2, ... from the
-    first RL step)."""
+    first RL step); passk: {k: eval/pass@k_sampled} of the run's last evaluation."""
+    if kind == "passk":
+        last = [r for r in records if "eval/pass@1_sampled" in r][-1:]
+        return {int(k[len("eval/pass@"):-len("_sampled")]): float(v) for r in last
+                for k, v in r.items() if re.fullmatch(r"eval/pass@\d+_sampled", k)}
     rows = [r for r in records if key in r and (kind == "eval" or r.get("stage") == "rl")]
     first = min((r["step"] for r in rows), default=1)
     return {r["step"] - (first - 1 if kind == "train" else 0): float(r[key]) for r in rows}
@@ -101,7 +108,8 @@ def table(data: dict, kind: str) -> str:
         for key, _ in PANELS[kind]:
             xs, mean, lo, hi = bands[key]
             if xs:
-                at = f"step {xs[-1]:5d}" if isinstance(xs[-1], int) else f"{xs[-1]:6.1f} min"
+                at = (f"k {xs[-1]:8d}" if kind == "passk" else f"step {xs[-1]:5d}"
+                      if isinstance(xs[-1], int) else f"{xs[-1]:6.1f} min")
                 lines.append(f"{name:18s} {key:24s} {at}: mean {mean[-1]:.3f} "
                              f"(min {lo[-1]:.3f}, max {hi[-1]:.3f}; "
                              f"{bands['seeds']} seed{'s' * (bands['seeds'] > 1)})")
@@ -117,14 +125,17 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
         raise SystemExit(msg) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(PANELS[kind]), figsize=(6.2 * len(PANELS[kind]), 4.2))
+    fig, axes = plt.subplots(1, len(PANELS[kind]), figsize=(6.2 * len(PANELS[kind]), 4.2),
+                             squeeze=False)
+    axes = axes[0]
     for ax, (key, label) in zip(axes, PANELS[kind]):
         for i, (name, bands) in enumerate(data.items()):
             xs, mean, lo, hi = bands[key]
             n = bands["seeds"]
             tag = (f"{NAMES.get(name, name)}, {n} seed{'s' * (n > 1)}"
                    + (": mean, range" if n > 1 else ""))
-            line, = ax.plot(xs, mean, marker="o" if kind == "eval" else None, ms=3, lw=1.6,
+            marker = "o" if kind in ("eval", "passk") else None
+            line, = ax.plot(xs, mean, marker=marker, ms=3, lw=1.6,
                             color=f"C{i}", label=tag)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
@@ -133,7 +144,10 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
             ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points",
                         fontsize=8, color="grey", ha="center")
         ax.set_xlabel("wall-clock minutes (evaluations included)" if wall else
-                      "training step (SFT, then RL)" if kind == "eval" else "RL step")
+                      "training step (SFT, then RL)" if kind == "eval" else
+                      "k (samples per problem)" if kind == "passk" else "RL step")
+        if kind == "passk":
+            ax.set_xscale("log", base=2)
         ax.set_ylabel(label)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -159,6 +173,8 @@ def parser() -> argparse.ArgumentParser:
 
 if __name__ == "__main__":
     args = parser().parse_args()
+    if args.kind == "passk" and args.x == "wall":
+        raise SystemExit("error: --kind passk is against k, not the clock: drop --x wall")
     data = collect(args.runs, args.kind, args.x == "wall")
     if not data:
         raise SystemExit("error: none of the runs logged "

@@ -62,38 +62,12 @@ def test_sft_update_reduces_gradients_once_per_optimizer_step(one_rank_group, mo
 
 
 WORKER = r"""
-import os, sys, weakref
+import os, sys
 import torch, torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 import infra
+from live_bytes import LiveBytes
 from model import ModelConfig, Transformer
-
-
-class LiveBytes(TorchDispatchMode):
-    '''Bytes of the storages that ops allocate while the mode is on, alive at once (peak): what refresh adds.'''
-
-    def __init__(self, old):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-        self.old = old  # storages that existed before (parameters): a view of them costs nothing
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, AsyncCollectiveTensor):  # no storage of its own
-                st = getattr(t, "_local_tensor", t).untyped_storage()
-                if st.data_ptr() not in self.live and st.data_ptr() not in self.old:
-                    self.live[st.data_ptr()] = st.nbytes()
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self.free, st.data_ptr())
-        return out
-
-    def free(self, ptr):
-        self.now -= self.live.pop(ptr)
 
 
 dist.init_process_group("gloo")
@@ -122,7 +96,7 @@ def test_refresh_gathers_one_parameter_at_a_time(tmp_path):
     """Two gloo ranks: infra.refresh's extra live memory peaks at about one gathered parameter (before: the whole
     model's full state dict, gathered at once in float32), and the copy equals the unsharded weights."""
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(tmp_path / "worker.py")], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -10,12 +10,10 @@ import json
 import os
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from live_bytes import LiveBytes
 
 import decode
 import infra
@@ -37,30 +35,6 @@ def close(measured: int, formula: int, rel: float, what: str, unit: str = "B"):
     """measured within rel of formula (rel = 0: exactly), both printed."""
     print(f"{what}: measured {measured:,} {unit}, formula {formula:,} {unit} (tolerance {rel:.1%})")
     assert abs(measured - formula) <= rel * formula, (what, measured, formula)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops allocate while the mode is on and that are still alive (now), and their most
-    at once (peak); storages that existed before the mode (`old`) are not counted."""
-
-    def __init__(self, old=()):
-        super().__init__()
-        self.live, self.now, self.peak, self.old = {}, 0, 0, set(old)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.data_ptr() not in self.live and st.data_ptr() not in self.old and st.nbytes():
-                    self.live[st.data_ptr()] = st.nbytes()
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self.free, st.data_ptr())
-        return out
-
-    def free(self, ptr):
-        self.now -= self.live.pop(ptr)
 
 
 # ------------------------------------------------------------------ (a), (b): FSDP2's state on 2 gloo ranks

@@ -296,8 +296,7 @@ class TrainerLink:
         self.received += 1
         msg = self.wire.get(f"roll/{self.received}", f"the rollouts of step {self.received}",
                             self.proc.world)
-        state.rl_cursor, state.pass_history = (msg["state"]["rl_cursor"],
-                                               msg["state"]["pass_history"])
+        vars(state).update(msg["state"])  # rl_cursor, pass_history, keep_rate
         return msg
 
     def take(self, state, step: int) -> tuple[list, dict]:
@@ -356,7 +355,8 @@ def sampler_loop(run, state, draw) -> dict:
             msg = {"step": nxt, "version": head["version"], "groups": groups, "stats": stats,
                    "wait_s": t1 - idle_from, "sample_s": time.time() - t1,
                    "tokens": sum(len(c) for g in groups for c in g.comps),
-                   "state": {"rl_cursor": state.rl_cursor, "pass_history": state.pass_history}}
+                   "state": {k: vars(state)[k] for k in ("rl_cursor", "pass_history",
+                                                         "keep_rate")}}
             idle_from = time.time()
             if run.proc.rank == 0:  # into the store: no wait for the trainers (see the docstring)
                 link.wire.put(f"roll/{nxt}", msg)

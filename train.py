@@ -95,6 +95,7 @@ class TrainState:
     sft_cursor: int = 0                 # next index of the cold-start stream
     pass_history: dict = field(default_factory=dict)  # problem id -> [saturated?], last visits
     bad_steps: int = 0                  # consecutive non-finite steps
+    keep_rate: float = 1.0              # the last step's kept fraction of groups (DAPO's refill)
 
 
 @dataclass
@@ -196,11 +197,16 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
 def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group], dict]:
     """Steps 1-2: P groups of G samples and their rewards. DAPO §3.2: a group whose rewards are
     all equal has Â = 0 and teaches nothing; dynamic sampling drops it and samples more prompts,
-    until P groups are kept or max_sample_tries run out. A refill draws enough for the keep rate
-    so far."""
+    until P groups are kept or max_sample_tries run out. Each try draws enough for the keep rate
+    so far, the first for the last step's (TrainState.keep_rate), so one try usually holds P."""
     cfg, P, G, t0 = run.cfg, run.cfg.prompts_per_step, run.cfg.group_size, time.time()
-    kept, seen, n, skipped = [], [], P, 0
+    kept, seen, skipped, missing = [], [], 0, P
     for tries in range(cfg.max_sample_tries if cfg.dynamic_sampling else 1):
+        # n prompts for the keep rate r so far (at first the last step's): the kept count, about
+        # Binomial(n, r), then covers what is missing with two standard deviations to spare. A
+        # draw is at most 4·P, and P with one try (the sizes memory.sampling_calls plans for)
+        r = max(state.keep_rate, 1 / min(4, cfg.max_sample_tries))
+        n = min(4 * P, math.ceil((missing + 2 * math.sqrt(missing * (1 - r))) / r))
         if cfg.skip_saturated_k:  # prompts saturated on their last k visits are skipped
             problems, n_skipped = draw_unsaturated(run.task, state, n, cfg.skip_saturated_k,
                                                    100 * P - skipped)
@@ -217,17 +223,16 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
         # DAPO: the groups whose rewards differ (the others have Â = 0)
         keep = credit.keep_groups(g.rewards for g in groups) if cfg.dynamic_sampling else [True] * n
         kept, seen = kept + [g for g, k in zip(groups, keep) if k], seen + groups
-        if len(kept) >= P:
+        state.keep_rate, missing = len(kept) / len(seen), P - len(kept)
+        if missing <= 0:
             break
-        n = min(4 * P, math.ceil((P - len(kept)) / max(len(kept) / len(seen), 0.25)))
     samples, seconds = G * len(seen), time.time() - t0
     stats = {"train/reward": sum(sum(g.rewards) for g in seen) / samples,
              "train/accuracy": sum(sum(g.scores) for g in seen) / samples,
-             "train/kept_groups_frac": len(kept) / len(seen), "train/sample_tries": tries + 1,
+             "train/kept_groups_frac": state.keep_rate, "train/sample_tries": tries + 1,
              "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
              "train/skip_rate": skipped / (len(seen) + skipped), "time/rollout_s": seconds,
              "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
-             "train/nonfinite_rows": sum(g.finish.count("nonfinite") for g in seen),
              "time/sample_tok_per_s": sum(len(c) for g in kept[:P] for c in g.comps) / seconds}
     stats |= {f"train/finish_{r}": sum(g.finish.count(r) for g in seen) / samples for r in FINISH}
     if run.task.outside:  # reasoning-gym's or a user's scorer: its timeouts and errors

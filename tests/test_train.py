@@ -488,10 +488,15 @@ def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch
                       prompts_per_step=4, max_sample_tries=4)
     kept, stats = tr.collect(step=1)
     assert len(kept) == 4 and all(g.pid % 2 == 0 for g in kept)
-    # try 1 draws 4 (keeps 2, rate 1/2); try 2 draws ceil(2 / 0.5) = 4 more and keeps 2: done
-    assert [len(a) for a in tr.asked] == [4, 4] and stats["train/sample_tries"] == 2
-    assert stats["train/discarded_rollouts"] == 4 * 4  # the 4 all-wrong groups of G = 4
+    # try 1 draws P = 4 (no rate yet; keeps 2, rate 1/2); try 2 draws for 2 missing at r = 1/2 with two standard
+    # deviations to spare, ceil((2 + 2·sqrt(2·(1 − 1/2))) / (1/2)) = 8, and keeps 4: done, 6 kept of 12
+    assert [len(a) for a in tr.asked] == [4, 8] and stats["train/sample_tries"] == 2
+    assert stats["train/discarded_rollouts"] == (12 - 4) * 4  # all but P = 4 groups, G = 4 samples each
     assert stats["train/kept_groups_frac"] == 0.5
+    # the next step's first try is sized by this step's keep rate: ceil((4 + 2·sqrt(4·(1/2))) / (1/2)) = 14
+    kept, stats = tr.collect(step=2)
+    assert len(tr.asked[2]) == 14 and len(kept) == 4 and stats["train/sample_tries"] == 1
+    assert tr.state.keep_rate == 0.5 and tr.asked[2][0] == tr.asked[1][-1] + 1  # the stream goes on
 
 
 def test_dynamic_sampling_gives_up_at_the_cap(monkeypatch):
@@ -499,6 +504,13 @@ def test_dynamic_sampling_gives_up_at_the_cap(monkeypatch):
     kept, stats = tr.collect(step=1)
     assert kept == [] and stats["train/sample_tries"] == 3 and len(tr.asked) == 3
     assert [len(a) for a in tr.asked] == [4, 16, 16]  # refills grow to the cap of 4·P per try
+    tr.collect(step=2)  # nothing kept last step: the first try starts at the cap
+    assert tr.state.keep_rate == 0 and len(tr.asked[3]) == 16
+    one = FakeRun(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0], prompts_per_step=4,
+                  max_sample_tries=1)  # one try a step: every draw is P, the size the memory plan assumes
+    for step in range(3):
+        one.collect(step)
+    assert [len(a) for a in one.asked] == [4, 4, 4] and one.state.keep_rate == 0.5
     without = FakeRun(monkeypatch, lambda pid: [1, 1, 1, 1], prompts_per_step=4, dynamic_sampling=False)
     kept, stats = without.collect(step=1)
     assert len(kept) == 4 and stats["train/sample_tries"] == 1  # plain GRPO trains on whatever it drew
@@ -725,5 +737,6 @@ def test_rows_the_sampler_ends_at_non_finite_logits_are_counted(tmp_path, monkey
     train.main(train.parse_args(["--config", SMOKE, f"--out_dir={out}", "--rl_steps=2", "--dynamic_sampling=false"]))
     rl = [r for r in records(out) if r["stage"] == "rl" and "train/loss" in r]
     assert len(ended) == 2 and min(ended) >= 1  # one sampling call per step; compaction moves rows into slot 0
-    assert [r["train/nonfinite_rows"] for r in rl] == ended
+    cfg = train.parse_args(["--config", SMOKE])  # no filter: every step's samples are P·G rows
+    assert [round(r["train/finish_nonfinite"] * cfg.prompts_per_step * cfg.group_size) for r in rl] == ended
     assert all(math.isfinite(r["train/loss"]) for r in rl)

@@ -13,7 +13,8 @@ RoPE (Su et al. 2021), half-split ("rotate_half") layout as in Hugging Face: for
       (x_i cos pθ_i − x_{i+D/2} sin pθ_i, x_{i+D/2} cos pθ_i + x_i sin pθ_i).
 Rows of a batch are left-padded: row b's real tokens start at slot start[b], its position at slot s
 is s − start[b], and no query attends to a pad slot (a pad query attends to itself only, so it
-never yields NaN). Module names are Hugging Face's, so state_dict() keys are checkpoint tensor
+never yields NaN). A training batch whose rows share prompts (a group's G samples) runs each
+prompt once (Prefix). Module names are Hugging Face's, so state_dict() keys are checkpoint tensor
 names: loading is strict=True.
 
   python -c "from model import *; m = Transformer(ModelConfig()); print(m)"
@@ -169,16 +170,76 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class Prefix:
+    """A training batch laid out so that each distinct prompt runs once (the trainer's twin of the
+    sampler's prefill shared by G samples): the U distinct prompts left-padded to S slots, then the
+    n completion rows of T = L − 1 input tokens, row i continuing prompt rows[i], packed into one
+    sequence idx [1, U·S + n·T], so per-token layers see one row and do each prompt's work once.
+    Attention (attend) splits it: prompts attend causally among their own real slots; completion
+    row i attends to its prompt's keys and values (indexed by rows: every row's gradient reaches
+    the one prompt) and causally to its own. at [n, L]: the packed position whose output predicts
+    completion token t (o_0: its prompt's last slot). ids, valid [n, L]: the completions, padded."""
+
+    def __init__(self, prompts: list[list[int]], completions: list[list[int]], device):
+        index = {}  # distinct prompt -> u, in order of first appearance
+        rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        U, S, n, L = len(index), max(map(len, index)), len(completions), max(map(len, completions))
+        T = L - 1
+        pad = [[0] * (S - len(p)) + list(p) for p in index]                             # [U, S]
+        self.ids = torch.tensor([c + [0] * (L - len(c)) for c in completions], device=device)
+        self.valid = torch.tensor([[t < len(c) for t in range(L)] for c in completions],
+                                  device=device)                                        # [n, L]
+        self.idx = torch.cat([torch.tensor(pad, device=device).view(-1),
+                              self.ids[:, :-1].reshape(-1)])[None]                      # [1, .]
+        self.rows = torch.tensor(rows, device=device)                                   # [n]
+        start = torch.tensor([S - len(p) for p in index], device=device)              # [U]
+        slots, own = torch.arange(S, device=device), torch.arange(T, device=device)
+        self.pos = torch.cat([(slots - start[:, None]).clamp(min=0).view(-1),
+                              ((S - start[self.rows])[:, None] + own).view(-1)])  # [U*S + n*T]
+        # prompts [U, 1, S, S]: causal over real slots (a pad slot sees itself: never NaN)
+        seen = (slots[None, :] >= start[:, None])[:, None] | (slots[None, :] == slots[:, None])
+        self.prompt_mask = (seen & (slots[None, :] <= slots[:, None]))[:, None]
+        # completions [n, 1, T, S + T]: their prompt's real slots, then their own tokens causally
+        self.completion_mask = torch.cat([
+            (slots >= start[self.rows][:, None])[:, None, :].expand(n, T, S),
+            (own[None, :] <= own[:, None]).expand(n, T, T)], -1)[:, None]
+        last = (torch.arange(U, device=device) * S + S - 1)[self.rows]                  # [n]
+        self.at = torch.cat([last[:, None], U * S + torch.arange(n, device=device)[:, None] * T
+                             + own], 1)                                                 # [n, L]
+        self.U, self.S, self.n, self.T = U, S, n, T
+        # RoPE rows, and the longest real row's inputs (prompt + completion − 1)
+        self.span = S + T
+        self.length = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
+
+    def attend(self, q, k, v):
+        """q [1, H, U·S + n·T, D], k, v [1, H_kv, ., D] -> [1, U·S + n·T, H·D]."""
+        U, S, n, T, gqa = self.U, self.S, self.n, self.T, k.shape[1] < q.shape[1]
+
+        def split(x):  # -> the prompts' slots [U, h, S, D], the rows' tokens [n, h, T, D]
+            return (x[0, :, :U * S].unflatten(1, (U, S)).transpose(0, 1),
+                    x[0, :, U * S:].unflatten(1, (n, T)).transpose(0, 1))
+        (qp, qc), (kp, kc), (vp, vc) = split(q), split(k), split(v)
+        y = F.scaled_dot_product_attention(qp, kp, vp, self.prompt_mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(1, U * S, -1)                             # [1, U*S, H*D]
+        if T == 0:  # one-token completions: o_0 comes from the prompt alone
+            return y
+        # each row over its prompt's keys and values, then its own tokens': [n, h, S + T, D]
+        kc, vc = torch.cat([kp[self.rows], kc], 2), torch.cat([vp[self.rows], vc], 2)
+        yc = F.scaled_dot_product_attention(qc, kc, vc, self.completion_mask, enable_gqa=gqa)
+        return torch.cat([y, yc.transpose(1, 2).reshape(1, n * T, -1)], 1)     # [1, ., H*D]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
-    # normalise in float32, as Hugging Face does, then scale in the input dtype
+    # normalise in float32 (float64 stays float64), as Hugging Face does, then scale in the input
+    # dtype
     def forward(self, x):
         if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True)
                                               + self.eps)).to(x.dtype)
 
@@ -208,6 +269,8 @@ class Attention(nn.Module):
         if mask is not None and x.is_cuda and self.Hkv < self.H:
             k, v = (k.repeat_interleave(self.H // self.Hkv, 1),
                     v.repeat_interleave(self.H // self.Hkv, 1))
+        if isinstance(mask, Prefix):  # each prompt once, its completion rows over it
+            return self.o_proj(mask.attend(q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None,
                                            enable_gqa=k.shape[1] < self.H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
@@ -312,22 +375,29 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False, head=None):
+    def forward(self, idx, cache: KVCache | None = None, start=None, last_only=False, head=None,
+                prefix: Prefix | None = None):
         """idx [B, T] token ids -> logits [B, T, V] (or [B, 1, V] with last_only). With a cache, idx
         fills slots [cache.n, cache.n + T) and cache.start gives the left padding; without one,
         `start` [B] does (default 0). head(h, w), if given, replaces the LM head (h [B, T, C] final
         hidden states, w [V, C] the head's weight, gathered by FSDP inside forward):
-        rollout.completion_logprobs' head never makes all [B, T, V] logits."""
+        rollout.completion_logprobs' head never makes all [B, T, V] logits. prefix: idx is
+        prefix.idx, prompts run once for the completion rows that continue them (Prefix)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
         n0, start = (cache.n, cache.start) if cache is not None else (0, start)
-        if n0 + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {n0 + T} tokens exceeds "
+        length = n0 + T if prefix is None else prefix.length
+        if length > self.config.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
         h = self.model.embed_tokens(idx)
+        if prefix is not None:  # RoPE at each packed token's position; prefix.attend masks
+            cos, sin = (t[prefix.pos][None, None]
+                        for t in rope_cos_sin(self.config, prefix.span, idx.device, h.dtype))
+            mask = prefix
         # decode: the step's RoPE rows and mask from (start, slot), on the device
-        if cache is not None and T == 1:
+        elif cache is not None and T == 1:
             keys, slot = (torch.arange(cache.width or n0 + 1, device=idx.device),
                           cache.slot)                                         # [W], 0-d
             cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]]

@@ -26,10 +26,11 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised.
 completion_logprobs() is generate's twin on the trainer side: one causal forward over prompt +
-completion, the same filter_logits, so the trainer's π (and π_old) of a token is the sampler's and
-the importance ratio π/π_old starts at 1 (sampling at T = 0.7 and training on the raw softmax is a
-known bug). Greedy (T = 0) takes the argmax of the raw logits and records log_softmax(raw logits) at
-it; top_k/top_p do not apply.
+completion, each distinct prompt computed once for the rows that continue it (model.Prefix, as the
+sampler prefills once per group), the same filter_logits, so the trainer's π (and π_old) of a token
+is the sampler's and the importance ratio π/π_old starts at 1 (sampling at T = 0.7 and training on
+the raw softmax is a known bug). Greedy (T = 0) takes the argmax of the raw logits and records
+log_softmax(raw logits) at it; top_k/top_p do not apply.
 
   python rollout.py --ckpt DIR --prompt "12+7=" --n 4 --max_new_tokens 64 --temperature 0.7 --seed 0
 """
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 import decode
 from decode import Outputs, batch, compiled_step, filter_logits, record
+from model import Prefix
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 wraps as uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -150,16 +152,15 @@ class HeadLogProbs(torch.autograd.Function):
 def completion_forward(model, prompts: list[list[int]], completions: list[list[int]], head):
     """One causal forward over prompt + completion (bf16 autocast on CUDA), its LM head replaced by
     head(h [M, C], w [V, C], targets [M], chunk) at the M completion tokens only (chunk: the rows of
-    a [chunk, V] block of ~2^23 logits) -> (head's result, valid [n, L]: a completion's tokens)."""
-    dev, n = model.model.embed_tokens.weight.device, len(completions)
-    ids = pad_batch(completions).to(dev)                                                # [n, L]
-    valid = pad_batch([[True] * len(c) for c in completions], False, torch.bool).to(dev)  # [n, L]
-    seqs = pad_batch([p + c for p, c in zip(prompts, ids.tolist())]).to(dev)  # [n, T]: c padded
-    first = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long, device=dev)  # o_0's
-    at = (torch.arange(n, device=dev)[:, None], first + torch.arange(ids.shape[1], device=dev))
-    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):  # h[at]: o_t's
-        return model(seqs[:, :-1], head=lambda h, w: head(h[at][valid], w, ids[valid], max(
-            1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), valid
+    a [chunk, V] block of ~2^23 logits) -> (head's result, valid [n, L]: a completion's tokens).
+    Rows with one prompt (a group's G samples) share its forward: model.Prefix."""
+    dev = model.model.embed_tokens.weight.device
+    prefix = Prefix(prompts, completions, dev)  # ids, valid [n, L]; at [n, L]: o_t's input
+    ids, valid = prefix.ids, prefix.valid
+    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+        return model(prefix.idx, prefix=prefix, head=lambda h, w: head(
+            h[0, prefix.at][valid], w, ids[valid],
+            max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), valid
 
 
 def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]],

@@ -249,6 +249,43 @@ def test_completion_logprobs_equal_the_full_logits_path_in_values_and_gradients(
         assert (a - q.grad).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("order", ["groups", "interleaved", "split", "one_token"])
+def test_a_shared_prompt_runs_once_and_changes_no_log_prob_or_gradient(order):
+    """model.Prefix: rows that continue one prompt share its forward. Against a naive loop of one full forward per
+    row (float64, tight): every log-prob and every parameter's gradient, with a group's rows together, interleaved
+    with other groups', a group split (a micro-batch that holds part of it), and one-token completions (T = 0);
+    and the prompt's tokens go through the model once, not once per row."""
+    m = tiny().double()
+    r = generate(m, PROMPTS, 3, 10, 1.0, stop_ids=STOP, seed=5)
+    comps, prompts = rows_of(r), [PROMPTS[i // 3] for i in range(len(r.lengths))]
+    pick = {"groups": range(12), "interleaved": [0, 3, 6, 1, 9, 4, 2, 10, 7], "split": [1, 2, 3, 4, 5, 11],
+            "one_token": range(12)}[order]
+    prompts, comps = [prompts[i] for i in pick], [comps[i] for i in pick]
+    if order == "one_token":
+        comps = [c[:1] for c in comps]
+    seen = []
+    hook = m.model.embed_tokens.register_forward_hook(lambda mod, i, out: seen.append(i[0].numel()))
+    w = torch.randn(len(comps), max(map(len, comps)), dtype=torch.float64)  # a random upstream gradient
+    lp, _ = completion_logprobs(m, prompts, comps, 1.0)
+    hook.remove()
+    (lp * w).sum().backward()
+    ours = [q.grad.clone() for q in m.parameters()]
+    m.zero_grad()
+    total = 0
+    for i, (q, c) in enumerate(zip(prompts, comps)):
+        logits = m(torch.tensor([q + c]))[0, len(q) - 1:len(q) - 1 + len(c)]                      # [len, V]
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+        assert (lp[i, :len(c)] - ref).abs().max() < 1e-10 and (lp[i, len(c):] == 0).all()
+        total = total + (ref * w[i, :len(c)]).sum()
+    total.backward()
+    for a, q in zip(ours, m.parameters()):
+        assert (a - q.grad).abs().max() < 1e-10
+    distinct = {tuple(p) for p in prompts}
+    S, T = max(map(len, distinct)), max(map(len, comps)) - 1
+    assert seen == [len(distinct) * S + len(comps) * T]  # each distinct prompt once (left-padded to S)
+    assert len(distinct) < len(prompts)
+
+
 def test_head_log_probs_do_not_depend_on_the_chunk():
     torch.manual_seed(0)
     h, w = torch.randn(7, 8, dtype=torch.float64, requires_grad=True), torch.randn(11, 8, dtype=torch.float64)

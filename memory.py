@@ -39,13 +39,16 @@ root group; a block's N_b. "trained": every parameter, or with LoRA only A and B
                    S + L) tokens (a row past the budget is a micro-batch alone). A block, per
                    token: a = 2·((4 + e)·C + 4 + e·C) + e·(2·H·D + 2·K·D + 4·I) + 4·H
                    (each RMSNorm's fp32 input, 1/rms and normalised input, the linears' input, flash
-                   attention's q, k, v, output and fp32 log-sum-exp, the SwiGLU's four [I]);
-                   outside the blocks, per token 8 + (4 + e)·C + 4 (the ids, the final norm), per
-                   completion token e·C + 8 (the head's inputs, targets; M = T in the plan) and 9
-                   (its index, mask), RoPE's 2·(S + L)·D·e. Checkpointing off: n·a per token;
-                   on: each block's input n·e·C per token, plus one block's a + e·C (its residual
-                   stream, which no op saves in bf16) while backward reruns it. LoRA: + 7·r·e a
-                   token (an upper bound: frozen weights save less)
+                   attention's q, k, v, output and fp32 log-sum-exp, the SwiGLU's four [I]), and
+                   per row its copy of its prompt's and its own keys and values, 2·(S + L)·K·D·e
+                   (model.Prefix; no prompt shared in the plan: every row its own); outside the
+                   blocks, per token 8 + (4 + e)·C + 4 + 2·D·e (the ids, the final norm, RoPE),
+                   per completion token e·C + 8 (the head's inputs, targets; M = T in the plan),
+                   per row 9·L (its ids and mask); Prefix's masks e·(S² + L·(S + L)) + 8 a
+                   row (held through backward). Checkpointing off: n·a per token; on: each
+                   block's input n·e·C per token, plus one block's a + e·C (its residual stream,
+                   which no op saves in bf16) while backward reruns it. LoRA: + 7·r·e a token
+                   (an upper bound: frozen weights save less)
   logits           rollout.HeadLogProbs on c = LOGITS_PER_CHUNK logits ([2^26 // V, V]), the
                    larger of its forward, c·max(16, 8 + e + u + t) (the chunk, its fp32 copy u = 4
                    if e < 4, z / T t = 4 if T ≠ 1, its log-softmax, two temporaries, the last
@@ -196,21 +199,28 @@ def block_saved(mc: ModelConfig, elt: int, lora_rank: int = 0) -> int:
     return (2 * norm + elt * (2 * H * D + 2 * K * D + 4 * I) + 4 * H + 7 * lora_rank * elt)
 
 
-def activations(mc: ModelConfig, rows: int, T: int, L: int, M: int, elt: int,
+def activations(mc: ModelConfig, U: int, S: int, n: int, L: int, M: int, elt: int,
                 checkpointing: bool, lora_rank: int = 0) -> dict:
-    """What autograd keeps for one completion_logprobs forward of rows × T positions (L the padded
-    completion length, M completion tokens): {"blocks": n blocks' saved tensors (off) or their
-    inputs (on), "recompute": one block's while backward reruns it (on), "outside": the
-    embedding's ids, RoPE's tables, the final norm, the head's inputs}."""
-    tokens, C, a = rows * T, mc.hidden_size, block_saved(mc, elt, lora_rank)
-    outside = (tokens * ((4 + elt) * C + 4) + 8 * rows * (T + 1) + 2 * T * mc.head_dim * elt
-               + M * (elt * C + 8) + rows * (8 + 9 * L))  # final norm, ids, RoPE, the head
+    """What autograd keeps for one completion_logprobs forward of n rows continuing U distinct
+    prompts (model.Prefix: U·S + n·(L − 1) tokens; S the longest prompt, L the longest
+    completion, M completion tokens): {"blocks": n blocks' saved tensors (off) or their inputs (on),
+    "recompute": one block's while backward reruns it (on), "outside": the embedding's ids, RoPE,
+    the final norm, the head's inputs, "masks": Prefix's attention biases and row index, saved by
+    every block (off) or held by the Prefix through backward (on)}."""
+    T, C, D, a = L - 1, mc.hidden_size, mc.head_dim, block_saved(mc, elt, lora_rank)
+    tokens = U * S + n * T
+    # a block's copy of each row's keys and values, its prompt's and its own (Prefix.attend)
+    rows_kv = 2 * elt * n * (S + T) * mc.n_kv_heads * D
+    masks = elt * (U * S * S + n * T * (S + T)) + 8 * n  # one set a forward, and Prefix.rows
+    outside = (tokens * ((4 + elt) * C + 4 + 8 + 2 * D * elt) + M * (elt * C + 8)
+               + 9 * n * L)  # final norm, ids, RoPE; the head's inputs, targets, ids and mask
     if not checkpointing:
-        return {"blocks": mc.n_layers * a * tokens, "recompute": 0, "outside": outside}
+        return {"blocks": mc.n_layers * (a * tokens + rows_kv), "recompute": 0,
+                "outside": outside, "masks": masks}
     # a rerun also holds the block's residual stream, which in bf16 no op saves (fp32: the norm's)
     resid = elt * C * (elt < 4)
-    return {"blocks": mc.n_layers * elt * C * tokens, "recompute": (a + resid) * tokens,
-            "outside": outside}
+    return {"blocks": mc.n_layers * elt * C * tokens,
+            "recompute": (a + resid) * tokens + rows_kv, "outside": outside, "masks": masks}
 
 
 def logits_bytes(mc: ModelConfig, M: int, elt: int, device: str = "cuda",
@@ -252,7 +262,8 @@ def plan(mc: ModelConfig, cfg, gpus: int, checkpointing: bool, sync_every: bool,
     B0 = max(first_batch(p, G) for p, G in sampling_calls(cfg, gpus))
     # the largest micro-batch: micro_batch_tokens of rows up to S + L long (or one longer row)
     tokens = max(cfg.micro_batch_tokens, S + L)
-    act = activations(mc, tokens / (S + L), S + L, L, tokens, e, checkpointing, r)
+    rows = tokens / (S + L)  # each with its own prompt: the most tokens (no prompt shared)
+    act = activations(mc, rows, S, rows, L, tokens, e, checkpointing, r)
     tmc = teacher or (folder_config(cfg.teacher) if cfg.teacher else None)
     return {
         "sharded_state": sharded_state(shapes, g),

@@ -206,27 +206,32 @@ class Prefix:
         last = (torch.arange(U, device=device) * S + S - 1)[self.rows]                  # [n]
         self.at = torch.cat([last[:, None], U * S + torch.arange(n, device=device)[:, None] * T
                              + own], 1)                                                 # [n, L]
-        self.U, self.S, self.n, self.T = U, S, n, T
+        self.U, self.S, self.n, self.T, self.biases = U, S, n, T, None
         # RoPE rows, and the longest real row's inputs (prompt + completion − 1)
         self.span = S + T
         self.length = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
 
-    def attend(self, q, k, v):
-        """q [1, H, U·S + n·T, D], k, v [1, H_kv, ., D] -> [1, U·S + n·T, H·D]."""
+    def attend(self, q, k, v, o_proj):
+        """q [1, H, U·S + n·T, D], k, v [1, H_kv, ., D] -> o_proj(attention) [1, U·S + n·T, C],
+        o_proj applied to each part (its input a view of the attention's output, not a copy)."""
         U, S, n, T, gqa = self.U, self.S, self.n, self.T, k.shape[1] < q.shape[1]
+        if self.biases is None or self.biases[0].dtype != q.dtype:  # the masks as additive biases:
+            # made once a forward, so every layer's attention saves the same two tensors
+            self.biases = [torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~m, float("-inf")) for m in (self.prompt_mask, self.completion_mask)]
 
         def split(x):  # -> the prompts' slots [U, h, S, D], the rows' tokens [n, h, T, D]
             return (x[0, :, :U * S].unflatten(1, (U, S)).transpose(0, 1),
                     x[0, :, U * S:].unflatten(1, (n, T)).transpose(0, 1))
         (qp, qc), (kp, kc), (vp, vc) = split(q), split(k), split(v)
-        y = F.scaled_dot_product_attention(qp, kp, vp, self.prompt_mask, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(1, U * S, -1)                             # [1, U*S, H*D]
+        y = F.scaled_dot_product_attention(qp, kp, vp, self.biases[0], enable_gqa=gqa)
+        y = o_proj(y.transpose(1, 2).reshape(1, U * S, -1))                        # [1, U*S, C]
         if T == 0:  # one-token completions: o_0 comes from the prompt alone
             return y
         # each row over its prompt's keys and values, then its own tokens': [n, h, S + T, D]
         kc, vc = torch.cat([kp[self.rows], kc], 2), torch.cat([vp[self.rows], vc], 2)
-        yc = F.scaled_dot_product_attention(qc, kc, vc, self.completion_mask, enable_gqa=gqa)
-        return torch.cat([y, yc.transpose(1, 2).reshape(1, n * T, -1)], 1)     # [1, ., H*D]
+        yc = F.scaled_dot_product_attention(qc, kc, vc, self.biases[1], enable_gqa=gqa)
+        return torch.cat([y, o_proj(yc.transpose(1, 2).reshape(1, n * T, -1))], 1)  # [1, ., C]
 
 
 class RMSNorm(nn.Module):
@@ -270,7 +275,7 @@ class Attention(nn.Module):
             k, v = (k.repeat_interleave(self.H // self.Hkv, 1),
                     v.repeat_interleave(self.H // self.Hkv, 1))
         if isinstance(mask, Prefix):  # each prompt once, its completion rows over it
-            return self.o_proj(mask.attend(q, k, v))
+            return mask.attend(q, k, v, self.o_proj)
         y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None,
                                            enable_gqa=k.shape[1] < self.H)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))

@@ -26,11 +26,11 @@ N = P·G rows, prompt-major (the G samples of prompt 0 first). The algorithm:
 
 Log-probs are those of the distribution actually sampled from: tempered, filtered and renormalised.
 completion_logprobs() is generate's twin on the trainer side: one causal forward over prompt +
-completion, each distinct prompt computed once for the rows that continue it (model.Prefix, as the
-sampler prefills once per group), the same filter_logits, so the trainer's π (and π_old) of a token
-is the sampler's and the importance ratio π/π_old starts at 1 (sampling at T = 0.7 and training on
-the raw softmax is a known bug). Greedy (T = 0) takes the argmax of the raw logits and records
-log_softmax(raw logits) at it; top_k/top_p do not apply.
+completion, each distinct prompt computed once for the rows that continue it (model.Prefix, as
+the sampler prefills once per group), the same filter_logits, so the trainer's π (and π_old) of a
+token is the sampler's and the importance ratio π/π_old starts at 1 (sampling at T = 0.7 and
+training on the raw softmax is a known bug). Greedy (T = 0) takes the argmax of the raw logits and
+records log_softmax(raw logits) at it; top_k/top_p do not apply.
 
   python rollout.py --ckpt DIR --prompt "12+7=" --n 4 --max_new_tokens 64 --temperature 0.7 --seed 0
 """

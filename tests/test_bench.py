@@ -40,3 +40,43 @@ def test_bad_shapes_raise():
         bench.token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="logits"):
         bench.token_entropy(torch.zeros(2, 3))
+
+
+def test_rows_apart_logprobs_are_the_shared_forwards_and_bench_shared_runs(tmp_path, capsys):
+    """--shared's baseline (each row its own prompt, the path before model.Prefix) gives the same log-probs and
+    gradients as rollout.completion_logprobs (float64); the bench prints both times on a tiny --ckpt."""
+    from model import ModelConfig, Transformer
+    from rollout import completion_logprobs
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=31, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                                intermediate_size=24, max_seq_len=64)).double()
+    prompts = [[1, 2, 3]] * 3 + [[4, 5]] * 2
+    comps = [[6, 7], [8], [9, 10, 11], [12, 13], [14]]
+    grads = []
+    for fn in (bench.rows_apart_logprobs, completion_logprobs):
+        logp = fn(m, prompts, comps, 1.0)[0]
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad()
+        if fn is completion_logprobs:
+            torch.testing.assert_close(logp[logp != 0].sum(), first.sum(), rtol=0, atol=1e-10)
+        first = logp
+    assert all((a - b).abs().max() < 1e-10 for a, b in zip(*grads))
+    m.float().save_pretrained(tmp_path / "ckpt")
+    bench.bench_shared(str(tmp_path / "ckpt"), repeats=1, P=2, G=3, S=(3, 5), L=(2, 6))
+    out = capsys.readouterr().out
+    assert "shared / rows_apart: time" in out and "rows_apart:" in out
+
+
+def test_refill_policies_replayed_on_fixed_keep_rates():
+    """tools/refill_sim.py: with every group kept, each policy takes one try of P prompts; with none kept, every
+    try runs and the step ends short; at p = 1/2 the two-sigma policy needs fewer tries than the old one."""
+    import random
+    from tools import refill_sim
+    for policy in refill_sim.POLICIES:
+        assert refill_sim.replay([1.0] * 5, policy, 8, 4, random.Random(0)) == {
+            "tries": 5, "one_try": 5, "drawn": 40, "short": 0}
+        out = refill_sim.replay([0.0] * 2, policy, 8, 3, random.Random(0))
+        assert out["tries"] == 6 and out["short"] == 2 and out["one_try"] == 0
+    old, new = (refill_sim.replay([0.5] * 300, p, 16, 4, random.Random(1)) for p in ("old", "2sigma"))
+    assert new["tries"] < 0.7 * old["tries"] and new["short"] <= old["short"]

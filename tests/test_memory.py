@@ -184,11 +184,11 @@ def saved_bytes(m: Transformer) -> int:
     return sum(seen.values())
 
 
-def batch_shape() -> tuple[int, int, int, int]:
-    """completion_forward's batch: rows, positions fed (longest prompt + padded completion − 1), padded
-    completion length, completion tokens."""
-    L = max(map(len, COMPLETIONS))
-    return len(PROMPTS), max(map(len, PROMPTS)) + L - 1, L, sum(map(len, COMPLETIONS))
+def batch_shape() -> tuple[int, int, int, int, int]:
+    """completion_forward's batch (model.Prefix): distinct prompts, the longest prompt, rows, the padded completion
+    length, completion tokens."""
+    return (len({tuple(p) for p in PROMPTS}), max(map(len, PROMPTS)), len(COMPLETIONS), max(map(len, COMPLETIONS)),
+            sum(map(len, COMPLETIONS)))
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -205,6 +205,7 @@ def test_saved_activations_without_checkpointing_are_the_formula(dtype):
     m.checkpointing = False
     formula = memory.activations(MC, *batch_shape(), elt=dtype.itemsize, checkpointing=False)
     close(saved_bytes(m), sum(formula.values()), 0.0, f"saved activations, {dtype}, checkpointing off")
+    assert formula["masks"] > 0  # the Prefix's biases, saved by every block's attention: counted once
 
 
 @pytest.mark.skipif(not hasattr(Transformer, "checkpointing"), reason="model.py has no activation checkpointing")
@@ -217,6 +218,7 @@ def test_saved_activations_with_checkpointing_and_the_recompute_are_the_formula(
     m = Transformer(MC).to(dtype)
     m.checkpointing = True
     formula = memory.activations(MC, *batch_shape(), elt=dtype.itemsize, checkpointing=True)
+    # (the Prefix holds formula["masks"] through backward: made in the forward, saved by no checkpointed block)
     close(saved_bytes(m), formula["blocks"] + formula["outside"], 0.0, f"saved in forward, {dtype}, checkpointing on")
     forward, reruns, mem = model.Block.forward, [], []
 

@@ -36,6 +36,10 @@ backward):
 --compact instead times the eager sampler at several rollout.COMPACT_AT values (rows stopping at
 random lengths): python -m tools.bench --compact --size 20m --threads 1. --logprobs --chunks
 21,23,25 times completion_logprobs at 2^k logits per LM-head block (rollout.LOGITS_PER_CHUNK).
+--shared instead times the trainer's log-prob forward + backward of one micro-batch, 4 groups of 8
+rows (prompts of 30-40 tokens, completions of 15-40), each group's prompt run once against once per
+row, at SmolLM2-135M's shape (random weights) or --ckpt's config:
+  python -m tools.bench --shared --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
 (HOSTILE) of 10k, 100k and 1M characters (linear time: ~10x per size), and math-verify's calls/s
@@ -62,7 +66,7 @@ import infra
 import rollout
 import train
 import verify
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, read_config
 from rollout import completion_logprobs, filter_logits, generate, pad_batch
 
 # --logprobs' children run from it
@@ -208,6 +212,55 @@ def bench_logprobs(method: str, vocab: int, rows=32, prompt_len=136, new=64, rep
                       "logp_sum": logp.sum().item(), "entropy_mean": ent.mean().item(),
                       "grad_norm": grad.item(),
                       "params": sum(p.numel() for p in model.parameters())}))
+
+
+def rows_apart_logprobs(model, prompts, comps, T: float):
+    """The trainer's log-prob forward before model.Prefix: every row runs its own prompt (prompt +
+    completion right-padded to the longest row, one causal forward), the same chunked head."""
+    n, ids = len(comps), rollout.pad_batch(comps)                                      # [n, L]
+    valid = rollout.pad_batch([[True] * len(c) for c in comps], False, torch.bool)    # [n, L]
+    seqs = rollout.pad_batch([p + c for p, c in zip(prompts, ids.tolist())])          # [n, S+L]
+    first = torch.tensor([[len(p) - 1] for p in prompts])                            # o_0's input
+    at = (torch.arange(n)[:, None], first + torch.arange(ids.shape[1]))
+    chunk = max(1, rollout.LOGITS_PER_CHUNK.get("cpu", 2 ** 23) // model.config.vocab_size)
+    return model(seqs[:, :-1], head=lambda h, w: rollout.HeadLogProbs.apply(
+        h[at][valid], w, ids[valid], T, 0, 1.0, chunk))
+
+
+def bench_shared(ckpt: str, repeats: int, P=4, G=8, S=(30, 40), L=(15, 40)):
+    """--shared (see the top): one micro-batch of P groups of G rows, forward + backward, each
+    group's prompt run once (rollout.completion_logprobs) against once per row (rows_apart), taking
+    turns; the median of repeats, and the tokens each runs through the model."""
+    cfg = read_config(ckpt) if ckpt else ModelConfig(  # SmolLM2-135M's shape, random weights
+        vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
+        intermediate_size=1536, max_seq_len=2048, tie_embeddings=True)
+    torch.manual_seed(0)
+    model, rng = Transformer(cfg), torch.Generator().manual_seed(0)
+
+    def draw(lo: int, hi: int) -> list[int]:  # lo..hi random token ids
+        n = int(torch.randint(lo, hi + 1, (), generator=rng))
+        return torch.randint(3, cfg.vocab_size, (n,), generator=rng).tolist()
+    prompts = [p for p in (draw(*S) for _ in range(P)) for _ in range(G)]
+    comps = [draw(*L) for _ in range(P * G)]
+    times, sums = {"shared": [], "rows_apart": []}, {}
+    for _ in range(repeats):
+        for name, fn in (("rows_apart", rows_apart_logprobs), ("shared", completion_logprobs)):
+            t0 = time.perf_counter()
+            logp = fn(model, prompts, comps, 1.0)[0]
+            logp.sum().backward()
+            times[name].append(time.perf_counter() - t0)
+            sums[name] = logp.sum().item()
+            model.zero_grad(set_to_none=True)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    n_s, n_l = max(map(len, prompts)), max(map(len, comps))
+    tokens = {"rows_apart": P * G * (max(len(p) + len(c) for p, c in zip(prompts, comps)) - 1),
+              "shared": P * n_s + P * G * (n_l - 1)}
+    for k in ("rows_apart", "shared"):
+        print(f"{k:>10}: {med[k]:6.2f} s forward + backward (median of {repeats}), "
+              f"{tokens[k]:,} tokens through the model")
+    print(f"shared / rows_apart: time {med['shared'] / med['rows_apart']:.2f}, tokens "
+          f"{tokens['shared'] / tokens['rows_apart']:.2f}; |d sum log-prob| "
+          f"{abs(sums['shared'] - sums['rows_apart']):.1e}")
 
 
 def logprobs_side_by_side(vocab: int, threads: int, chunks: str = ""):
@@ -533,6 +586,7 @@ def parser() -> argparse.ArgumentParser:
     for mode, text in (("--rl", "the time split of one RL step (4 x 8 x 64 tokens) instead"),
                        ("--verify", "time verify.reward (and math-verify) instead of sampling"),
                        ("--logprobs", "log-prob memory and time at a real vocabulary"),
+                       ("--shared", "the log-prob forward with each group's prompt run once"),
                        ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--chunks", default="",
@@ -553,6 +607,8 @@ def main():
     if args.logprobs or args.verify:
         return (logprobs_side_by_side(args.vocab, args.threads, args.chunks) if args.logprobs
                 else bench_verify())
+    if args.shared:
+        return bench_shared(args.ckpt, args.repeats)
     if args.device == "cuda" and not args.ckpt:
         return bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps)
     torch.manual_seed(0)

@@ -146,7 +146,7 @@ NON_NEGATIVE = ("sft_steps", "rl_steps", "rl_minutes", "top_k", "beta", "kl_old"
                 "opd_weight", "teacher_pass_every", "warmup_steps", "eval_every", "ckpt_every",
                 "keep_ckpts", "skip_saturated_k", "train_size", "threads", "max_value",
                 "expert_sft_steps", "expert_max_per_problem", "sampler_ranks", "lora_rank",
-                "max_tool_calls")
+                "max_tool_calls", "sample_margin")
 RULES += [((k,), lambda c, k=k, lo=lo: getattr(c, k) >= lo, f"{{{k}}} must be >= {lo}")
           for keys, lo in ((POSITIVE, 1), (NON_NEGATIVE, 0)) for k in keys]
 

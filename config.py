@@ -151,6 +151,8 @@ class Config:
                                         #   K steps (0: off)
     dynamic_sampling: bool = True       # DAPO §3.2: drop zero-spread groups and refill
     max_sample_tries: int = 4           # rounds of refill before training on what was found
+    sample_margin: float = 2.0          # a try's prompts: the kept count's standard deviations to
+                                        #   spare beyond missing / keep rate (0: none; RESULTS §15)
     skip_saturated_k: int = 0           # skip prompts saturated (all right or all wrong) on their
                                         #   last k visits
     overlong_buffer: int = 0            # DAPO §3.4 soft overlong punishment L_cache (0: off)

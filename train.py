@@ -203,10 +203,10 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
     kept, seen, skipped, missing = [], [], 0, P
     for tries in range(cfg.max_sample_tries if cfg.dynamic_sampling else 1):
         # n prompts for the keep rate r so far (at first the last step's): the kept count, about
-        # Binomial(n, r), then covers what is missing with two standard deviations to spare. A
-        # draw is at most 4·P, and P with one try (the sizes memory.sampling_calls plans for)
+        # Binomial(n, r), then covers what is missing with sample_margin standard deviations to
+        # spare. A draw is at most 4·P, and P with one try (the sizes memory.sampling_calls plans)
         r = max(state.keep_rate, 1 / min(4, cfg.max_sample_tries))
-        n = min(4 * P, math.ceil((missing + 2 * math.sqrt(missing * (1 - r))) / r))
+        n = min(4 * P, math.ceil((missing + cfg.sample_margin * math.sqrt(missing * (1 - r))) / r))
         if cfg.skip_saturated_k:  # prompts saturated on their last k visits are skipped
             problems, n_skipped = draw_unsaturated(run.task, state, n, cfg.skip_saturated_k,
                                                    100 * P - skipped)

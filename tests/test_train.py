@@ -497,6 +497,11 @@ def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch
     kept, stats = tr.collect(step=2)
     assert len(tr.asked[2]) == 14 and len(kept) == 4 and stats["train/sample_tries"] == 1
     assert tr.state.keep_rate == 0.5 and tr.asked[2][0] == tr.asked[1][-1] + 1  # the stream goes on
+    bare = FakeRun(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0], prompts_per_step=4,
+                   max_sample_tries=4, sample_margin=0)  # no margin: ceil(missing / r), 2 / 0.5 then 4 / 0.5
+    bare.collect(step=1)
+    bare.collect(step=2)
+    assert [len(a) for a in bare.asked] == [4, 4, 8]
 
 
 def test_dynamic_sampling_gives_up_at_the_cap(monkeypatch):

@@ -206,8 +206,7 @@ def refresh(copy, model, lazy=False):
         for name, x in lora.merged_parameters(model, dtype, frozen) if not lazy else ():
             dst[name].copy_(x)
         copy.stale = lazy
-        copy.frozen_copied = getattr(copy, "frozen_copied", False) or (
-            not lazy and bool(lora.adapters(model)))
+        copy.frozen_copied = getattr(copy, "frozen_copied", False) or not lazy
 
 
 def sampling_copy(model, proc: Proc) -> Transformer | None:

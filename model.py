@@ -170,6 +170,13 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def padded_causal(start: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, S] bool: query slot t sees key slot s iff s <= t, and s >= start[b] (no pad key)
+    or s = t (a pad query sees itself: never NaN). start [B], slots [T], keys [S]."""
+    own = keys[None, :] == slots[:, None]                                          # [T, S]
+    return ((keys[None, :] <= slots[:, None]) & ((keys >= start[:, None])[:, None] | own))[:, None]
+
+
 class Prefix:
     """A training batch laid out so that each distinct prompt runs once (the trainer's twin of the
     sampler's prefill shared by G samples): the U distinct prompts left-padded to S slots, then the
@@ -196,9 +203,7 @@ class Prefix:
         slots, own = torch.arange(S, device=device), torch.arange(T, device=device)
         self.pos = torch.cat([(slots - start[:, None]).clamp(min=0).view(-1),
                               ((S - start[self.rows])[:, None] + own).view(-1)])  # [U*S + n*T]
-        # prompts [U, 1, S, S]: causal over real slots (a pad slot sees itself: never NaN)
-        seen = (slots[None, :] >= start[:, None])[:, None] | (slots[None, :] == slots[:, None])
-        self.prompt_mask = (seen & (slots[None, :] <= slots[:, None]))[:, None]
+        self.prompt_mask = padded_causal(start, slots, slots)                    # [U, 1, S, S]
         # completions [n, 1, T, S + T]: their prompt's real slots, then their own tokens causally
         self.completion_mask = torch.cat([
             (slots >= start[self.rows][:, None])[:, None, :].expand(n, T, S),
@@ -426,11 +431,7 @@ class Transformer(nn.Module):
             if cache is not None or start is not None:
                 keys = torch.arange(n0 + T, device=idx.device)               # [S]
                 st = torch.zeros(B, dtype=torch.long, device=idx.device) if start is None else start
-                # causal, and no pad keys except oneself
-                mask = (keys[None, :] <= slots[:, None])[None] & (
-                    (keys[None, None, :] >= st[:, None, None])
-                    | (keys[None, :] == slots[:, None])[None])
-                mask = mask[:, None]                                         # [B, 1, T, S]
+                mask = padded_causal(st, slots, keys)                        # [B, 1, T, S]
         # activation checkpointing where a backward follows: keep only each block's input, rerun the
         # block in backward (FSDP2's hooks all-gather its weights again); never with a KV cache
         recompute = self.checkpointing and cache is None and torch.is_grad_enabled()

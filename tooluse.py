@@ -185,7 +185,8 @@ class Session:
             return
         t = int(d.t)  # the token just written is at t - 1
         for b in d.called.nonzero()[:, 0].tolist():
-            r, ids = int(d.rows[b]), d.out.ids[int(d.rows[b]), :t].tolist()
+            r = int(d.rows[b])
+            ids = d.out.ids[r, :t].tolist()
             if self.calls[r] >= self.box.max_calls:  # a call past the limit ends the row there
                 if self.box.call_start(ids) is not None:
                     d.live[b], self.limited[r] = False, True

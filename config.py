@@ -88,8 +88,8 @@ class Config:
     sft_lr: float = 2e-3
     # --- RL sampling
     rl_steps: int = 200
-    rl_minutes: float = 0.0             # stop RL after this much wall-clock (0: no limit), for
-                                        #   equal-time ablations
+    rl_minutes: float = 0.0             # stop RL after this much wall-clock of training, evals
+                                        #   not counted (0: no limit), for equal-time ablations
     prompts_per_step: int = 16          # P: groups per optimizer step (global, over all ranks)
     group_size: int = 8                 # G: samples per prompt (DeepSeekMath §4.1)
     max_new_tokens: int = 56

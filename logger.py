@@ -28,7 +28,8 @@ class Logger:
                  first_step: int, total_steps: int):  # proc: infra.Proc
         self.rank, self.first_step, self.total_steps, self.t0, self.wandb = (
             proc.rank, first_step, total_steps, 0, None)
-        self.deadline = None  # the RL stage's end by the clock (rl_minutes), for the ETA
+        self.deadline = None  # the RL stage's end on the training clock (rl_minutes), for the ETA
+        self.evals_s = 0.0  # seconds of evaluation since t0 (train.evaluate adds them)
         if self.rank != 0:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -52,8 +53,9 @@ class Logger:
         """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a
         console line."""
         rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()},
-               # since the first training step (for equal-time curves)
-               "time/wall_s": time.time() - self.t0}
+               # since the first training step (for equal-time curves), and without evaluations
+               "time/wall_s": time.time() - self.t0,
+               "time/train_wall_s": time.time() - self.t0 - self.evals_s}
         if self.rank != 0:
             return
         self.file.write(json.dumps(rec) + "\n")
@@ -65,8 +67,8 @@ class Logger:
                 f"{k[5:]} {v:.3f}" for k, v in rec.items()
                 if k.startswith("eval/") and "_L" not in k), flush=True)
         eta = (time.time() - self.t0) / max(1, step - self.first_step) * (self.total_steps - step)
-        if self.deadline is not None and stage == "rl":  # rl_minutes ends the run sooner
-            eta = max(0.0, min(eta, self.deadline - time.time()))
+        if self.deadline is not None and stage != "sft":  # rl_minutes ends the run sooner
+            eta = max(0.0, min(eta, self.deadline - (time.time() - self.evals_s)))
         cols = " ".join(f"{name} {rec[k]:{fmt}}" for k, name, fmt in CONSOLE if k in rec)
         # an outside scorer's failures, loudly: each scored 0 (tasks.Scorer)
         failed = ", ".join(f"{v:.0f} {k.split('_')[-1]}" for k, v in rec.items()

@@ -500,6 +500,8 @@ def evaluate(run: Run, step: int, logger: Logger | None = None,
     tools = tooluse.metrics(tried, "eval/") if run.task.tools else {}
     if run.task.outside:  # the outside scorer's timeouts and errors in this evaluation
         rec |= scorer_failures(run.task.score, "eval/")
+    if logger:  # the training clock (time/train_wall_s, rl_minutes) stops while this runs
+        logger.evals_s += time.time() - t0
     return {"eval/maj@k": rec[f"eval/maj@{cfg.eval_k}"], **rec, **tools}
 
 
@@ -543,10 +545,11 @@ def main(cfg: Config) -> dict:
     opt, stage, results, rl_t0 = None, None, {}, time.time()
     if not latest:  # the baseline: every curve starts from the checkpoint it trains
         logger.log(0, "base", results.setdefault("base", evaluate(run, 0, logger)))
-        logger.t0 = time.time()  # the console's ETA counts training steps only
+        logger.t0, logger.evals_s = time.time(), 0.0  # the ETA counts training steps only
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # a new stage
-            stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time()
+            # rl_t0 on the training clock: evaluations do not count against rl_minutes
+            stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time() - logger.evals_s
             logger.deadline = rl_t0 + 60 * cfg.rl_minutes if cfg.rl_minutes else None
             opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state, ckpt)
         if stage == "sft":
@@ -564,7 +567,8 @@ def main(cfg: Config) -> dict:
         rl_steps_done = step - cfg.sft_steps
         if stage == "rl" and cfg.ref_update_every and rl_steps_done % cfg.ref_update_every == 0:
             run.ref = infra.frozen_copy(run.model, run.proc.device)  # (checks.py: needs beta > 0)
-        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < (time.time() - rl_t0) / 60)
+        rl_minutes = (time.time() - logger.evals_s - rl_t0) / 60
+        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < rl_minutes)
         total = step if stop else total
         if cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
             t_eval, ev = time.time(), evaluate(run, step, logger)

@@ -65,3 +65,25 @@ def test_trl_micro_rows_accumulates_one_generation_per_step(tmp_path):
     with pytest.raises(SystemExit, match="does not divide"):
         compare_trl.grpo_config(trl, compare_trl.cli.parse_config(
             compare_trl.TrlConfig, TINY + [f"--trl_micro_rows={P * G - 1}"]), str(tmp_path), 2)
+
+
+def test_the_trl_clock_leaves_the_evaluations_out(monkeypatch):
+    """trl_minutes counts training as rl_minutes does: steps of 10 s, each followed by a 10-minute evaluation, stop
+    once 60 s of steps have run (the 7th step), not after the first evaluation."""
+    import transformers
+    now = [0.0]
+    monkeypatch.setattr(compare_trl.time, "time", lambda: now[0])
+
+    def evaluate():
+        now[0] += 600
+
+    clock, control = compare_trl.step_clock(transformers)(1.0, evaluate), type("Control", (), {})()
+    control.should_training_stop = False
+    clock.on_train_begin(None, None, control)
+    steps = 0
+    while not control.should_training_stop:
+        clock.on_step_begin(None, None, control)
+        now[0] += 10
+        clock.on_step_end(None, None, control)
+        steps += 1
+    assert steps == 7 and clock.paused == 7 * 600

@@ -96,14 +96,33 @@ def test_the_wall_clock_axis_puts_each_step_at_its_mean_minute(tmp_path):
                      "time/wall_s": secs[1] + 30})  # the evaluation after step 2 ends 30 s later
         return write_run(tmp_path / f"w_s{seed}", recs)
     runs = [run(0, (60, 120)), run(1, (120, 240))]
-    xs, mean, lo, hi = plot.collect(runs, "eval", wall=True)["w"]["eval/pass@1"]
+    xs, mean, lo, hi = plot.collect(runs, "eval", "wall")["w"]["eval/pass@1"]
     assert xs == pytest.approx([0.0, (150 + 270) / 2 / 60]) and mean == pytest.approx([0.1, 0.35])
-    xs, mean, _, _ = plot.collect(runs, "train", wall=True)["w"]["train/reward"]
+    xs, mean, _, _ = plot.collect(runs, "train", "wall")["w"]["train/reward"]
     assert xs == pytest.approx([1.5, 3.0]) and mean == pytest.approx([0.55, 0.55])
     assert "w                  eval/pass@1                 3.5 min: mean 0.350" in \
-        plot.table(plot.collect(runs, "eval", wall=True), "eval")
+        plot.table(plot.collect(runs, "eval", "wall"), "eval")
     assert plot.collect(runs, "eval")["w"]["eval/pass@1"][0] == [0, 2]  # the step axis is unchanged
     old = write_run(tmp_path / "old_s0", [{"step": 0, "stage": "base", "eval/pass@1": 0.1},
                                           {"step": 5, "stage": "rl", "eval/pass@1": 0.2}])  # no time/wall_s
     with pytest.raises(SystemExit, match="--x wall needs time/wall_s"):
-        plot.collect([old], "eval", wall=True)
+        plot.collect([old], "eval", "wall")
+
+
+def test_the_training_clock_leaves_the_evaluations_out(tmp_path):
+    """--x train reads time/train_wall_s: an RL run that evaluates for 100 s after step 1 and an RFT-like run that
+    evaluates less often put the same training minute at the same x, whatever their evaluations cost."""
+    rl = write_run(tmp_path / "rl_s0", [
+        {"step": 0, "stage": "base", "eval/pass@1": 0.1, "eval/pass@1_sampled": 0.1, "time/wall_s": 0.0,
+         "time/train_wall_s": 0.0},
+        {"step": 1, "stage": "rl", "eval/pass@1": 0.2, "eval/pass@1_sampled": 0.2, "time/wall_s": 160.0,
+         "time/train_wall_s": 60.0},
+        {"step": 2, "stage": "rl", "eval/pass@1": 0.3, "eval/pass@1_sampled": 0.3, "time/wall_s": 320.0,
+         "time/train_wall_s": 120.0}])
+    xs, mean, _, _ = plot.collect([rl], "eval", "train")["rl"]["eval/pass@1"]
+    assert xs == pytest.approx([0.0, 1.0, 2.0]) and mean == pytest.approx([0.1, 0.2, 0.3])
+    assert plot.collect([rl], "eval", "wall")["rl"]["eval/pass@1"][0] == pytest.approx([0.0, 160 / 60, 320 / 60])
+    old = write_run(tmp_path / "old_s0", [{"step": 0, "stage": "base", "eval/pass@1": 0.1, "time/wall_s": 0.0},
+                                          {"step": 5, "stage": "rl", "eval/pass@1": 0.2, "time/wall_s": 9.0}])
+    with pytest.raises(SystemExit, match="--x train needs time/train_wall_s"):
+        plot.collect([old], "eval", "train")

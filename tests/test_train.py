@@ -482,6 +482,29 @@ def test_the_eta_honours_rl_minutes(tmp_path, capsys, monkeypatch):
         log.file.close()
 
 
+def test_rl_minutes_counts_training_not_evaluations(tmp_path, monkeypatch):
+    """rl_minutes = 1 with an evaluation after every step that takes 1000 s on the clock: the run still trains its
+    4 RL steps (evaluations do not count), time/train_wall_s stays below a minute while time/wall_s passes 3000 s,
+    and the eval record's training minute is the step's (the clock stopped while it ran)."""
+    offset, real_time, real_row = [0.0], time.time, train.eval_row
+    monkeypatch.setattr(time, "time", lambda: real_time() + offset[0])
+
+    def slow_row(*a):  # each evaluation (16 problems) takes 16 · 62.5 s = 1000 s more
+        offset[0] += 62.5
+        return real_row(*a)
+    monkeypatch.setattr(train, "eval_row", slow_row)
+    cfg = train.parse_args(["--config", SMOKE, f"--out_dir={tmp_path}", "--sft_steps=0", "--rl_steps=4",
+                            "--rl_minutes=1", "--eval_every=1", "--threads=1", "--ckpt_every=0"])
+    train.main(cfg)
+    recs = records(tmp_path)
+    evals = [r for r in recs if "eval/pass@1" in r]
+    assert [r["step"] for r in recs if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3, 4]
+    assert recs[-1]["time/wall_s"] > 3000 and recs[-1]["time/train_wall_s"] < 60
+    steps = {r["step"]: r["time/train_wall_s"] for r in recs if "train/loss" in r}
+    assert all(r["time/train_wall_s"] - steps[r["step"]] < 5 for r in evals[1:])
+
+
 def test_dynamic_sampling_refills_to_the_configured_number_of_groups(monkeypatch):
     # even problem ids are informative (1 of 4 right), odd ids are all wrong: half of each draw is kept
     tr = FakeRun(monkeypatch, lambda pid: [1, 0, 0, 0] if pid % 2 == 0 else [0, 0, 0, 0],

@@ -24,8 +24,9 @@ Needs trl and transformers, which the project does not:
      compared with, measured side by side under the same load). train.evaluate (train.py's held-out
      set and metrics: greedy and sampled pass@1, maj@k, answer rates, length) scores TRL's weights
      at step 0, every eval_every steps and at the end, each a line of out_dir/metrics.jsonl as
-     train.py writes them (time/wall_s since training began, its evaluations included as in ours),
-     so `tools/plot.py --x wall` draws TRL beside our runs. The model is saved to out_dir/final (our
+     train.py writes them (time/wall_s since training began, and time/train_wall_s without the
+     evaluations, which trl_minutes does not count either, as in ours), so `tools/plot.py --x wall`
+     (or --x train) draws TRL beside our runs. The model is saved to out_dir/final (our
      loader reads it for the last evaluation), the summary to out_dir/eval.json.
   3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (tools/bench.py's presets,
      vocabulary 4096: our characters plus fillers; or a model folder, on the config's task and
@@ -162,11 +163,11 @@ def trainer_for(cfg: TrlConfig, run: train.Run, folder: str, out_dir: str, max_s
 
 def step_clock(transformers):
     class StepClock(transformers.TrainerCallback):
-        """Seconds per optimizer step; stops training after `minutes`; runs `after_step` between
-        steps."""
+        """Seconds per optimizer step; stops training after `minutes` (not counting `after_step`,
+        which runs between steps: the evaluations)."""
 
         def __init__(self, minutes=0.0, after_step=None):
-            self.minutes, self.after_step, self.steps = minutes, after_step, []
+            self.minutes, self.after_step, self.steps, self.paused = minutes, after_step, [], 0.0
 
         def on_train_begin(self, args, state, control, **kw):
             self.t_start = time.time()
@@ -177,20 +178,23 @@ def step_clock(transformers):
         def on_step_end(self, args, state, control, **kw):
             self.steps.append(time.perf_counter() - self.t0)
             if self.after_step:
+                t = time.time()
                 self.after_step()
-            if 0 < self.minutes < (time.time() - self.t_start) / 60:
+                self.paused += time.time() - t
+            if 0 < self.minutes < (time.time() - self.t_start - self.paused) / 60:
                 control.should_training_stop = True
     return StepClock
 
 
-def log_eval(run: train.Run, weights: dict, step: int, wall_s: float, out_dir: str) -> dict:
+def log_eval(run: train.Run, weights: dict, step: int, wall_s: float, out_dir: str,
+             paused_s: float = 0.0) -> dict:
     """train.evaluate of TRL's weights (copied into our model: the same names; a tied lm_head is
     embed_tokens), as one line of out_dir/metrics.jsonl in train.py's format, so tools/plot.py draws
     TRL beside our runs."""
     own = run.model.state_dict()
     run.model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
     rec = {"step": step, "stage": "base" if step == 0 else "rl", **train.evaluate(run, step),
-           "time/wall_s": wall_s}
+           "time/wall_s": wall_s, "time/train_wall_s": wall_s - paused_s}
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
@@ -213,7 +217,7 @@ def train_and_evaluate(cfg: TrlConfig) -> dict:
         step = len(clock.steps)
         if cfg.eval_every and step % cfg.eval_every == 0:
             last[0] = log_eval(run, trainer.model.state_dict(), step, time.time() - clock.t_start,
-                               cfg.out_dir)
+                               cfg.out_dir, clock.paused)
     clock = step_clock(transformers)(cfg.trl_minutes, evaluate_now)
     trainer = trainer_for(cfg, run, cfg.init_from, cfg.out_dir, cfg.rl_steps,
                           cfg.rl_steps * cfg.prompts_per_step, clock)
@@ -227,7 +231,7 @@ def train_and_evaluate(cfg: TrlConfig) -> dict:
     # the saved folder, loaded by model.py
     ev = last[0] if last[0].get("step") == len(clock.steps) else log_eval(
         run, Transformer.from_pretrained(final, dtype=torch.float32).state_dict(), len(clock.steps),
-        seconds, cfg.out_dir)
+        seconds, cfg.out_dir, clock.paused)
     out = {"trl_steps": len(clock.steps), "train_seconds": seconds,
            "median_step_s": statistics.median(clock.steps),
            **{k: v for k, v in ev.items() if k.startswith("eval/")}}

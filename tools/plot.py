@@ -14,7 +14,10 @@
   3. --x wall: the x-axis is wall-clock minutes (time/wall_s: since the first training step,
      evaluations included; 0 at the base evaluation), each point at the mean over seeds of the
      minute its step was reached, so runs of different step costs (SFT vs RL, ours vs TRL:
-     tools/compare_trl.py writes the same metrics.jsonl) compare at equal compute.
+     tools/compare_trl.py writes the same metrics.jsonl) compare at equal compute. --x train: the
+     same without the evaluations (time/train_wall_s, the clock rl_minutes counts), so runs that
+     evaluate at different rates (RL every 10 steps, RFT every iteration) compare at equal training
+     time.
   4. A table of the last shared point of each curve (mean, min, max, seeds) is printed too.
 
   python -m tools.plot runs/demo_s0 runs/control_sft_s0 runs/control_filtered_s0 \\
@@ -29,14 +32,19 @@ import os
 import re
 
 NAMES = {"demo": "SFT + RL (the demo)", "control_sft": "SFT only (configs/control_sft.toml)",
-         "control_filtered": "answer-filtered SFT (configs/control_filtered.toml)"}
+         "control_filtered": "answer-filtered SFT (configs/control_filtered.toml)",
+         "smollm2-mix-dapo": "DAPO (train.py)", "smollm2-mix-rft": "RFT (star.py, algo rft)",
+         "base": "the base model", "dapo": "DAPO", "rft": "RFT",
+         "r1s3": "RFT of the base on DAPO's samples (R1's stage 3)"}
+CLOCKS = {"wall": ("time/wall_s", "wall-clock minutes (evaluations included)"),
+          "train": ("time/train_wall_s", "training minutes (wall-clock, evaluations excluded)")}
 PANELS = {"eval": [("eval/pass@1", "held-out greedy pass@1"),
                    ("eval/pass@1_sampled", "held-out sampled pass@1 (the run's T)")],
           "train": [("train/reward", "train reward (mean over the step's samples)"),
                     ("train/kept_groups_frac", "dynamic sampling: share of groups kept")],
           "tools": [("train/tool_call_rate", "share of completions that call the tool (train)"),
                     ("train/accuracy", "train accuracy (the verifier)")],
-          "passk": [("pass@k", "held-out pass@k at the last evaluation (sampled, unbiased)")]}
+          "passk": [("pass@k", "held-out pass@k, last evaluation (unbiased)")]}
 
 
 def read_run(path: str) -> list[dict]:
@@ -74,29 +82,32 @@ def band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[f
     return xs, [sum(v) / len(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
 
 
-def on_the_clock(runs: list[list[dict]], kind: str, b: tuple) -> tuple:
-    """A band with its x (steps) replaced by the mean over runs of the wall-clock minute each step
-    was reached."""
+def on_the_clock(runs: list[list[dict]], kind: str, b: tuple, clock: str = "wall") -> tuple:
+    """A band with its x (steps) replaced by the mean over runs of the minute each step was reached
+    on `clock` (CLOCKS)."""
+    key = CLOCKS[clock][0]
     clocks = [{**curve([x for x in r if any(k.startswith("eval/") for k in x) == (kind == "eval")],
-                       "time/wall_s", kind),
+                       key, kind),
                **({0: 0.0} if kind == "eval" else {})}  # an eval's own record; base 0
               for r in runs]
     if any(x not in c for c in clocks for x in b[0]):
-        raise SystemExit("error: --x wall needs time/wall_s in every record "
-                         "(train.py logs it since the start)")
+        raise SystemExit(f"error: --x {clock} needs {key} in every record "
+                         "(train.py logs it: time/wall_s since the start, time/train_wall_s since "
+                         "this commit)")
     return ([sum(c[x] for c in clocks) / len(clocks) / 60 for x in b[0]], *b[1:])
 
 
-def collect(paths: list[str], kind: str, wall: bool = False) -> dict[str, dict[str, tuple]]:
-    """{group: {key: band}} for the panels of `kind` (x in wall-clock minutes if `wall`), groups in
-    the order of their first run on the command line."""
+def collect(paths: list[str], kind: str, x: str = "step") -> dict[str, dict[str, tuple]]:
+    """{group: {key: band}} for the panels of `kind` (x: steps, or minutes on a clock of CLOCKS),
+    groups in the order of their first run on the command line."""
     groups: dict[str, list[list[dict]]] = {}
     for p in paths:
         groups.setdefault(group_name(p), []).append(read_run(p))
     out = {}
     for name, runs in groups.items():
         bands = {key: band([curve(r, key, kind) for r in runs]) for key, _ in PANELS[kind]}
-        bands = {k: on_the_clock(runs, kind, b) for k, b in bands.items()} if wall else bands
+        bands = {k: on_the_clock(runs, kind, b, x) for k, b in bands.items()} if x != "step" \
+            else bands
         if any(b[0] for b in bands.values()):  # an SFT-only run has no train curve
             out[name] = {**bands, "seeds": len(runs)}
     return out
@@ -116,7 +127,7 @@ def table(data: dict, kind: str) -> str:
     return "\n".join(lines)
 
 
-def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
+def draw(data: dict, kind: str, out: str, title: str, x: str = "step"):
     try:
         import matplotlib
     except ImportError:
@@ -139,11 +150,11 @@ def draw(data: dict, kind: str, out: str, title: str, wall: bool = False):
                             color=f"C{i}", label=tag)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
-        if kind == "eval" and "demo" in data and data["demo"][key][0] and not wall:
+        if kind == "eval" and "demo" in data and data["demo"][key][0] and x == "step":
             ax.axvline(800, color="grey", ls=":", lw=1)
             ax.annotate("demo: SFT | RL", (800, 0.03), xytext=(0, 0), textcoords="offset points",
                         fontsize=8, color="grey", ha="center")
-        ax.set_xlabel("wall-clock minutes (evaluations included)" if wall else
+        ax.set_xlabel(CLOCKS[x][1] if x != "step" else
                       "training step (SFT, then RL)" if kind == "eval" else
                       "k (samples per problem)" if kind == "passk" else "RL step")
         if kind == "passk":
@@ -166,18 +177,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--kind", choices=sorted(PANELS), default="eval")
     ap.add_argument("--title", default="", help="a line above the panels")
-    ap.add_argument("--x", choices=["step", "wall"], default="step",
-                    help="the x-axis: training step or minutes")
+    ap.add_argument("--x", choices=["step", *CLOCKS], default="step",
+                    help="the x-axis: training step, wall-clock minutes or training minutes")
     return ap
 
 
 if __name__ == "__main__":
     args = parser().parse_args()
-    if args.kind == "passk" and args.x == "wall":
-        raise SystemExit("error: --kind passk is against k, not the clock: drop --x wall")
-    data = collect(args.runs, args.kind, args.x == "wall")
+    if args.kind == "passk" and args.x != "step":
+        raise SystemExit(f"error: --kind passk is against k, not the clock: drop --x {args.x}")
+    data = collect(args.runs, args.kind, args.x)
     if not data:
         raise SystemExit("error: none of the runs logged "
                          f"{' or '.join(k for k, _ in PANELS[args.kind])}")
     print(table(data, args.kind))
-    draw(data, args.kind, args.out, args.title, args.x == "wall")
+    draw(data, args.kind, args.out, args.title, args.x)

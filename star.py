@@ -8,7 +8,9 @@ Both sample from the current model, keep what the verifier accepts and fine-tune
      rationalisation in its few-shot prompt: a model that never saw a hint ignores one). The result
      is the base model M_0.
   1. Sample k = expert_samples completions o ~ M_{n-1}(·|q) for each problem q of a fixed pool: the
-     first train_size problems of the "rl" stream (or the whole train_file for gsm8k / math). With a
+     first train_size problems of the "rl" stream (or the whole train_file for gsm8k / math); with
+     expert_fresh, iteration n's pool is the stream's n-th block of train_size problems instead, new
+     problems each iteration as RL sees them (RAFT, Dong et al. 2023; Xiong et al. 2025). With a
      teacher folder, o ~ π_T(·|q) instead: off-policy distillation, SFT on a stronger model's own
      samples (issue 26's arm (d)); each iteration draws fresh samples, so use it with rft (star
      restarts from M_0 and would see one iteration's).
@@ -87,6 +89,8 @@ class StarConfig(train.Config):
                                         #   cold-start prompts
     expert_filter: bool = True          # step 2: keep only verified samples;
                                         #   false: all (with a teacher: seq-level KD)
+    expert_fresh: bool = False          # step 1: iteration n samples the stream's n-th block of
+                                        #   train_size problems (RAFT), not the same pool
 
     CHOICES: ClassVar[dict] = {**train.Config.CHOICES, "algo": ("star", "rft")}
 
@@ -168,6 +172,14 @@ def collect(run: train.Run, pool: list, it: int) -> tuple[list, dict]:
     return data, stats
 
 
+def pool_at(run: train.Run, it: int) -> list:
+    """Step 1's problems at iteration `it` (1, 2, ...): the stream's first train_size (or the whole
+    train_file), or with expert_fresh its it-th block of that many."""
+    n = run.cfg.train_size if run.cfg.train_size > 0 else len(run.task.train)
+    first = (it - 1) * n if run.cfg.expert_fresh else 0
+    return [run.task.problem("rl", i) for i in range(first, first + n)]
+
+
 def batches(cfg: StarConfig, n: int, it: int):
     """expert_sft_steps batches of indices into the data set: seeded shuffles, without replacement
     per epoch."""
@@ -216,14 +228,14 @@ def main(cfg: StarConfig) -> dict:
     logger.log(step, "sft", results["sft"])
     # M_0 (this rank's shards under FSDP)
     base = [p.detach().clone() for p in run.model.parameters()]
-    n_pool = cfg.train_size if cfg.train_size > 0 else len(run.task.train)
-    pool = [run.task.problem("rl", i) for i in range(n_pool)]
     # ------------------------------------------------------------------------ steps 1-4: iterations
     # seconds spent sampling and fine-tuning: the budget rl_minutes counts no evaluation
     trained = 0.0
+    if cfg.rl_minutes:  # the console's ETA: the budget's end on the training clock
+        logger.deadline = time.time() - logger.evals_s + 60 * cfg.rl_minutes
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
-        data, stats = collect(run, pool, it)
+        data, stats = collect(run, pool_at(run, it), it)
         t1 = time.time()
         if cfg.algo == "star" and cfg.expert_from_base:
             with torch.no_grad():

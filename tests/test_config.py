@@ -25,6 +25,9 @@ from cli import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAR = dict(train_size=4)  # a StarConfig needs a pool of synthetic problems
+# configs that are read on top of others (their first comment line says so)
+OVERLAYS = {"smollm2-135m-mix.toml": ["smollm2-135m-rg.toml"],
+            "smollm2-135m-rft.toml": ["smollm2-135m-rg.toml", "smollm2-135m-mix.toml"]}
 CASES = [  # (config class, overrides, the exact message)
     (train.Config, dict(overlong_buffer=128, max_new_tokens=32),
      "overlong_buffer = 128 must be <= max_new_tokens = 32 and >= 0 (DAPO eq. 13: L_cache within L_max)"),
@@ -90,6 +93,8 @@ CASES = [  # (config class, overrides, the exact message)
     (star.StarConfig, dict(STAR, sampler_ranks=1), "sampler_ranks = 1 is train.py's: star.py samples on every rank"),
     (star.StarConfig, dict(STAR, resume=True), "resume = True is not supported by star.py"),
     (star.StarConfig, dict(train_size=0), "train_size = 0 must be > 0 with algo = 'star'"),
+    (star.StarConfig, dict(STAR, expert_fresh=True), "expert_fresh = True needs a dataset task: task = "
+     "'arithmetic''s stream is its train_size problems, one pool"),
     (star.StarConfig, dict(STAR, hint_sft_frac=1.5), "hint_sft_frac = 1.5 must be in [0, 1]"),
     (star.StarConfig, dict(STAR, task="countdown"), "countdown has no answer hint: set rationalize = false and "
      "hint_sft_frac = 0 (got rationalize = True, hint_sft_frac = 0.0, algo = 'star')"),
@@ -122,7 +127,9 @@ def test_every_rule_has_a_case_and_every_shipped_config_passes():
     checks.check_settings(star.StarConfig(**STAR))
     for path in glob.glob(os.path.join(ROOT, "configs", "*.toml")):
         cls = star.StarConfig if "algo" in open(path).read() else train.Config
-        checks.check_settings(train.parse_args(["--config", path], cls))
+        stack = [x for name in OVERLAYS.get(os.path.basename(path), [])
+                 for x in ("--config", os.path.join(ROOT, "configs", name))]
+        checks.check_settings(train.parse_args([*stack, "--config", path], cls))
 
 
 def test_a_bad_setting_stops_before_anything_loads(monkeypatch):

@@ -250,3 +250,28 @@ def test_cold_start_is_the_grpo_cold_start(tmp_path):
     assert len(a) == 5 and [r.keys() for r in a] == [r.keys() for r in b]
     for ra, rb in zip(a, b):
         assert all(ra[k] == pytest.approx(rb[k], abs=1e-6) for k in ra if k != "stage"), (ra, rb)
+
+
+def test_a_fresh_pool_is_the_next_block_of_the_stream_each_iteration(gsm8k_file):
+    """expert_fresh: iteration n samples problems [(n-1)·m, n·m) of the training stream (m = train_size), the
+    problems train.py's RL would see next; without it every iteration samples the same first m. A synthetic task
+    has no stream beyond its train_size problems: a clear error."""
+    class Run:  # what pool_at reads
+        def __init__(self, **kw):
+            self.cfg = parse(["--config", SMOKE, "--task=gsm8k", f"--train_file={gsm8k_file}",
+                              *[f"--{k}={v}" for k, v in kw.items()]])
+            self.task = Stream()
+
+    class Stream:  # a train_file of 10 problems; problem k of the stream is (k, "problem k")
+        train = list(range(10))
+
+        def problem(self, stage, k):
+            assert stage == "rl"
+            return k, f"problem {k}"
+    fresh, fixed = Run(train_size=3, expert_fresh=True), Run(train_size=3)
+    assert [pid for pid, _ in star.pool_at(fresh, 1)] == [0, 1, 2]
+    assert [pid for pid, _ in star.pool_at(fresh, 3)] == [6, 7, 8]
+    assert star.pool_at(fixed, 3) == star.pool_at(fixed, 1) == [(0, "problem 0"), (1, "problem 1"), (2, "problem 2")]
+    assert len(star.pool_at(Run(train_size=0, expert_fresh=True), 2)) == 10  # the whole train_file a block
+    with pytest.raises(UserError, match="expert_fresh"):
+        checks.check_settings(parse(["--config", SMOKE, "--train_size=8", "--expert_fresh"]))

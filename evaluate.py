@@ -18,7 +18,9 @@ function, not a copy), as a command line.
      kind (greedy | sampled), prompt (the rendered prompt text, exactly what was tokenized),
      completion, answer (extracted, or null), gold, correct, truncated, finish (how the sample
      ended: stop, length, tool_limit, nonfinite; rollout.FINISH). With tools the completion
-     holds each call and its forced result ("[37*48]{1776}").
+     holds each call and its forced result ("[37*48]{1776}"). --metrics_out FILE: the record as one
+     metrics.jsonl line (step 0), so tools/plot.py --kind passk draws base, RL and RFT checkpoints
+     on one figure.
   5. Tools: a run's `tools` applies (--tools=calculator); --tools= evaluates with the tool off (a
      call is then plain text: no result). The table adds, over the sampled completions: tool calls
      per completion, their error rate, the share of correct answers that called, the accuracy with
@@ -36,6 +38,7 @@ share of the problems, as in training.
 """
 import dataclasses
 import json
+import os
 import re
 import sys
 import time
@@ -60,6 +63,8 @@ class EvalConfig(train.Config):
     ckpt: str = ""                      # the Hugging Face folder to evaluate: a step_N/
                                         #   or a Qwen2 / Llama download
     samples_out: str = ""               # write one JSON line per completion here (rank 0)
+    metrics_out: str = ""               # write the record here as a metrics.jsonl (one line, step
+                                        #   0): tools/plot.py --kind passk draws its pass@k
 
 
 def table(cfg: EvalConfig, levels: Counter, rec: dict, seconds: float,
@@ -107,6 +112,10 @@ def main(cfg: EvalConfig) -> dict:
             with open(cfg.samples_out, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in samples)
             print(f"{len(samples)} completions written to {cfg.samples_out}")
+        if cfg.metrics_out:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_out)), exist_ok=True)
+            with open(cfg.metrics_out, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"step": 0, "stage": "eval", **rec}) + "\n")
     return rec
 
 

@@ -10,6 +10,7 @@ import evaluate
 import train
 import verify
 from rollout import FINISH
+from tools import plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_PRESET = os.path.join(ROOT, "configs", "qwen2.5-0.5b-gsm8k.toml")
@@ -19,7 +20,8 @@ def test_samples_file_holds_the_rendered_prompts(hf_folder, gsm8k_file, tmp_path
     folder, out = hf_folder("qwen"), tmp_path / "samples.jsonl"
     rec = evaluate.main(train.parse_args([
         "--ckpt", folder, "--config", QWEN_PRESET, f"--eval_file={gsm8k_file}", "--train_file=/does/not/exist",
-        "--eval_k=3", "--max_new_tokens=6", "--eval_batch=2", "--samples_out", str(out)], evaluate.EvalConfig))
+        "--eval_k=3", "--max_new_tokens=6", "--eval_batch=2", "--samples_out", str(out),
+        f"--metrics_out={tmp_path / 'qwen_s0' / 'metrics.jsonl'}"], evaluate.EvalConfig))
     printed = capsys.readouterr().out
     for line in ("pass@1 greedy", "pass@1 sampled", "maj@3", "answer rate", "mean length", "truncation rate", "level",
                  "eval 2/5", "eval 4/5"):  # the metrics, the per-level rows and the progress lines
@@ -48,6 +50,11 @@ def test_samples_file_holds_the_rendered_prompts(hf_folder, gsm8k_file, tmp_path
     assert abs(rec["eval/completed_pass@1_sampled"]
                - sum(r["correct"] and r["finish"] == "stop" for r in sampled) / 15) < 1e-12
     assert "pass@1 greedy, stopped" in printed and {r["finish"] for r in rows} >= {"length"}
+    # --metrics_out: the record as one metrics.jsonl line, which tools/plot.py --kind passk reads
+    line, = (tmp_path / "qwen_s0" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert json.loads(line) == {"step": 0, "stage": "eval", **rec}
+    xs, mean, _, _ = plot.collect([str(tmp_path / "qwen_s0")], "passk")["qwen"]["pass@k"]
+    assert xs == [1, 2] and mean == [rec["eval/pass@1_sampled"], rec["eval/pass@2_sampled"]]
 
 
 def test_a_right_answer_cut_off_by_the_length_limit_is_not_a_completed_solution():

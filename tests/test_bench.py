@@ -80,3 +80,20 @@ def test_refill_policies_replayed_on_fixed_keep_rates():
         assert out["tries"] == 6 and out["short"] == 2 and out["one_try"] == 0
     old, new = (refill_sim.replay([0.5] * 300, p, 16, 4, random.Random(1)) for p in ("old", "2sigma"))
     assert new["tries"] < 0.7 * old["tries"] and new["short"] <= old["short"]
+
+
+def test_profile_splits_a_decode_call_by_op(capsys):
+    """--profile on a tiny model: both temperatures, the matrix products' share, ops named by the profiler, shares
+    that are fractions (the largest first)."""
+    import re
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                                intermediate_size=24, max_seq_len=64)).eval()
+    bench.bench_profile(m, "4x2x8", prompt_len=5, top=5)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(",")[0] for ln in lines] == ["T = 0.0", "T = 1.0"]
+    for ln in lines:
+        assert "matrix products" in ln and "aten::mm" in ln
+        shares = [float(x) for x in re.findall(r"aten::\w+ ([\d.]+)%", ln)]
+        assert len(shares) == 5 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100

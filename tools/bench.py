@@ -40,6 +40,10 @@ random lengths): python -m tools.bench --compact --size 20m --threads 1. --logpr
 rows (prompts of 30-40 tokens, completions of 15-40), each group's prompt run once against once per
 row, at SmolLM2-135M's shape (random weights) or --ckpt's config:
   python -m tools.bench --shared --threads 2
+--profile instead splits one eager decode call (the first --settings, greedy and T = 1) by
+torch.profiler into its ops' self CPU time, the largest first, with the share that is matrix
+products (the LM head and the projections: aten::mm / addmm):
+  python -m tools.bench --profile --ckpt checkpoints/SmolLM2-135M-Instruct --settings 64x1x128
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
 (HOSTILE) of 10k, 100k and 1M characters (linear time: ~10x per size), and math-verify's calls/s
@@ -567,6 +571,26 @@ PRESETS = {"2m": dict(hidden_size=128, n_layers=6, n_heads=4, n_kv_heads=2, inte
                        intermediate_size=1024)}
 
 
+@torch.no_grad()
+def bench_profile(model, setting: str, prompt_len: int, top: int = 12):
+    """--profile (see the top): each op's share of one eager decode call's CPU time."""
+    P, G, new = (int(x) for x in setting.split("x"))
+    prompts = torch.randint(3, model.config.vocab_size, (P, prompt_len),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    for T in (0.0, 1.0):
+        generate(model, prompts[:2], G, 4, temperature=T, seed=0)  # warm-up
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            generate(model, prompts, G, new, temperature=T, seed=0)
+        wall, ops = time.perf_counter() - t0, prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in ops)
+        share = {e.key: e.self_cpu_time_total / total for e in ops}
+        mm = share.get("aten::mm", 0) + share.get("aten::addmm", 0)
+        print(f"T = {T}, {P}x{G}x{new}: {P * G * new / wall:.0f} tok/s (profiled), matrix "
+              f"products {mm:.1%}; by op: " + ", ".join(
+                  f"{k} {v:.1%}" for k, v in sorted(share.items(), key=lambda x: -x[1])[:top]))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="2m", choices=sorted(PRESETS))
@@ -587,6 +611,7 @@ def parser() -> argparse.ArgumentParser:
                        ("--verify", "time verify.reward (and math-verify) instead of sampling"),
                        ("--logprobs", "log-prob memory and time at a real vocabulary"),
                        ("--shared", "the log-prob forward with each group's prompt run once"),
+                       ("--profile", "the eager decode's CPU time by op (torch.profiler)"),
                        ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--chunks", default="",
@@ -618,6 +643,8 @@ def main():
     model = model.to(torch.device(args.device), getattr(torch, args.dtype)).eval()
     if args.compact:
         return bench_compact(model, args.repeats)
+    if args.profile:
+        return bench_profile(model, args.settings.split(",")[0], args.prompt_len)
     return bench_rl(model, args.threads, args.static) if args.rl else bench_sampling(model, args)
 
 

@@ -33,7 +33,8 @@ import re
 
 NAMES = {"demo": "SFT + RL (the demo)", "control_sft": "SFT only (configs/control_sft.toml)",
          "control_filtered": "answer-filtered SFT (configs/control_filtered.toml)",
-         "smollm2-mix-dapo": "DAPO (train.py)", "smollm2-mix-rft": "RFT (star.py, algo rft)",
+         **{f"smollm2-mix-{arm}-seed{s}": f"{name}, seed {s}" for s in range(3)
+            for arm, name in (("dapo", "DAPO"), ("rft", "RFT"))},
          "base": "the base model", "dapo": "DAPO", "rft": "RFT",
          "r1s3": "RFT of the base on DAPO's samples (R1's stage 3)"}
 CLOCKS = {"wall": ("time/wall_s", "wall-clock minutes (evaluations included)"),

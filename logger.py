@@ -49,13 +49,18 @@ class Logger:
             wandb.init(project=wandb_project, dir=out_dir, mode=mode, config=config,
                        name=os.path.basename(os.path.abspath(out_dir)))
 
+    def train_clock(self) -> float:
+        """The wall clock, stopped while evaluations run: what rl_minutes and time/train_wall_s
+        count."""
+        return time.time() - self.evals_s
+
     def log(self, step: int, stage: str, rec: dict):
         """One metrics.jsonl line; an eval record prints as an EVAL line, a training record as a
         console line."""
         rec = {"step": step, "stage": stage, **{k: float(v) for k, v in rec.items()},
                # since the first training step (for equal-time curves), and without evaluations
                "time/wall_s": time.time() - self.t0,
-               "time/train_wall_s": time.time() - self.t0 - self.evals_s}
+               "time/train_wall_s": self.train_clock() - self.t0}
         if self.rank != 0:
             return
         self.file.write(json.dumps(rec) + "\n")
@@ -68,7 +73,7 @@ class Logger:
                 if k.startswith("eval/") and "_L" not in k), flush=True)
         eta = (time.time() - self.t0) / max(1, step - self.first_step) * (self.total_steps - step)
         if self.deadline is not None and stage != "sft":  # rl_minutes ends the run sooner
-            eta = max(0.0, min(eta, self.deadline - (time.time() - self.evals_s)))
+            eta = max(0.0, min(eta, self.deadline - self.train_clock()))
         cols = " ".join(f"{name} {rec[k]:{fmt}}" for k, name, fmt in CONSOLE if k in rec)
         # an outside scorer's failures, loudly: each scored 0 (tasks.Scorer)
         failed = ", ".join(f"{v:.0f} {k.split('_')[-1]}" for k, v in rec.items()

@@ -232,7 +232,7 @@ def main(cfg: StarConfig) -> dict:
     # seconds spent sampling and fine-tuning: the budget rl_minutes counts no evaluation
     trained = 0.0
     if cfg.rl_minutes:  # the console's ETA: the budget's end on the training clock
-        logger.deadline = time.time() - logger.evals_s + 60 * cfg.rl_minutes
+        logger.deadline = logger.train_clock() + 60 * cfg.rl_minutes
     for it in range(1, cfg.expert_iters + 1):
         t0 = time.time()
         data, stats = collect(run, pool_at(run, it), it)

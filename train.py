@@ -549,7 +549,7 @@ def main(cfg: Config) -> dict:
     for step in range(latest + 1, total + 1):
         if stage != ("sft" if step <= cfg.sft_steps else "rl"):  # a new stage
             # rl_t0 on the training clock: evaluations do not count against rl_minutes
-            stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", time.time() - logger.evals_s
+            stage, rl_t0 = "sft" if step <= cfg.sft_steps else "rl", logger.train_clock()
             logger.deadline = rl_t0 + 60 * cfg.rl_minutes if cfg.rl_minutes else None
             opt, sched = start_stage(run, cfg, stage, step, latest, total, saved, state, ckpt)
         if stage == "sft":
@@ -567,8 +567,8 @@ def main(cfg: Config) -> dict:
         rl_steps_done = step - cfg.sft_steps
         if stage == "rl" and cfg.ref_update_every and rl_steps_done % cfg.ref_update_every == 0:
             run.ref = infra.frozen_copy(run.model, run.proc.device)  # (checks.py: needs beta > 0)
-        rl_minutes = (time.time() - logger.evals_s - rl_t0) / 60
-        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < rl_minutes)
+        trained_min = (logger.train_clock() - rl_t0) / 60
+        stop = stage == "rl" and infra.any_rank(0 < cfg.rl_minutes < trained_min)
         total = step if stop else total
         if cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.sft_steps, total):
             t_eval, ev = time.time(), evaluate(run, step, logger)

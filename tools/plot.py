@@ -93,8 +93,7 @@ def on_the_clock(runs: list[list[dict]], kind: str, b: tuple, clock: str = "wall
               for r in runs]
     if any(x not in c for c in clocks for x in b[0]):
         raise SystemExit(f"error: --x {clock} needs {key} in every record "
-                         "(train.py logs it: time/wall_s since the start, time/train_wall_s since "
-                         "this commit)")
+                         "(train.py logs both clocks; older runs may lack time/train_wall_s)")
     return ([sum(c[x] for c in clocks) / len(clocks) / 60 for x in b[0]], *b[1:])
 
 

@@ -254,7 +254,7 @@ class TrainerLink:
         min(version + 1 + K, last) and post π_v, unless no new step is allowed (the last K + 1
         steps: no sampler would use it). With `state` (the RL stage's start): the header carries it;
         `rollouts` (a checkpoint's) are queued first."""
-        self.wire.step = version
+        self.wire.step, self.laps, self.clock = version, run.laps, run.clock  # take's phase mark
         if state is not None:
             self.pending = deque(dict(m, groups=[group_cls(**g) for g in m["groups"]])
                                  for m in rollouts or [])
@@ -311,6 +311,7 @@ class TrainerLink:
             raise SideError(f"trainer rank {self.wire.rank}: rollouts of step {msg['step']} "
                             f"sampled with π_{msg['version']} offered to step {step} "
                             f"(staleness {stale}, max_staleness = {self.K})")
+        self.laps.append(("wait", self.clock()))  # the step's time/wait_s (train.py's phases)
         return msg["groups"], {**msg["stats"], "train/staleness": stale,
                                "time/trainer_wait_s": waited,
                                "time/sampler_wait_s": msg["wait_s"],

@@ -3,7 +3,7 @@
   1. setup reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process per device; nccl on CUDA,
      gloo on CPU); teardown leaves together, so no rank tears the process group down under a peer
      still working.
-  2. all_sum / all_max / any_rank / all_gather_list: the collectives, each handed its tensor on the
+  2. all_sum (or max) / any_rank / all_gather_list: the collectives, each handed its tensor on the
      run's DEVICE (NCCL rejects CPU tensors; gloo accepts them, so CPU tests can't see the mistake).
   3. shard: FSDP2, each block then the root, bf16 compute + fp32 reduction on CUDA at any world
      size (one GPU computes as eight do); frozen_copy: plain full weights (π_ref; the sampling
@@ -89,10 +89,6 @@ def all_sum(x, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def all_max(x) -> torch.Tensor:
-    return all_sum(x, dist.ReduceOp.MAX)
-
-
 def any_rank(flag: bool) -> bool:  # true on every rank if it is true on any
     return bool(all_sum(float(flag)) > 0)
 
@@ -119,7 +115,7 @@ def micro_batches(prompts: list, completions: list, budget: int) -> tuple[list[l
         if not plan or (len(plan[-1]) + 1) * lengths[plan[-1][0]] > budget:
             plan.append([])
         plan[-1].append(i)
-    return plan, int(all_max(len(plan))) - len(plan)
+    return plan, int(all_sum(len(plan), dist.ReduceOp.MAX)) - len(plan)
 
 
 def padding_passes(model, n: int, backward: bool = True, every: bool = False):
@@ -144,7 +140,7 @@ def reduce_metrics(parts: list[dict]) -> dict:
     sums = {k: sum(v, zero) for k, v in values.items() if not k.endswith("_max")}
     tops = {k: torch.stack([zero, *v]).amax() for k, v in values.items() if k.endswith("_max")}
     return {**dict(zip(sums, all_sum(torch.stack([*sums.values(), zero])))),
-            **dict(zip(tops, all_max(torch.stack([*tops.values(), zero]))))}
+            **dict(zip(tops, all_sum(torch.stack([*tops.values(), zero]), dist.ReduceOp.MAX)))}
 
 
 def shard(model: Transformer, proc: Proc):

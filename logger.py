@@ -4,10 +4,16 @@ W&B, and the held-out table at the end. The other ranks' calls do nothing.
 
   logger = Logger(proc, out_dir, config_dict, wandb_mode, wandb_project, first_step, total_steps)
   logger.log(step, "rl", {"train/loss": 0.1});  logger.finish(results)
+
+Where a step's time goes: train.rl_step marks the end of each phase, (phase, clock()) in Run.laps;
+phase_seconds turns the marks into time/<phase>_s, each the seconds since the mark before it.
 """
 import json
 import os
 import time
+from collections import Counter
+
+import torch
 
 CONSOLE = [c.split() for c in (  # metric, console name, format
     "train/loss loss .4f, train/reward reward .3f, train/accuracy acc .3f, "
@@ -15,8 +21,38 @@ CONSOLE = [c.split() for c in (  # metric, console name, format
     "train/clip_high clip_hi .3f, train/entropy ent .3f, "
     "train/grad_norm gnorm .2f, train/kept_groups_frac kept .2f, train/skip_rate skip .2f, "
     "train/logprob_gap_max lp_gap .1e, train/staleness stale .0f, train/mismatch_kl mis_kl .1e, "
-    "time/rollout_s roll_s .1f, time/train_s train_s .1f, time/sample_tok_per_s tok/s .0f, "
+    "time/rollout_s roll_s .1f, time/sample_s sample_s .1f, time/reward_s reward_s .1f, "
+    "time/train_s train_s .1f, time/forward_s fwd_s .1f, time/backward_s bwd_s .1f, "
+    "time/optimizer_s opt_s .1f, time/sample_tok_per_s tok/s .0f, "
     "time/trainer_wait_s t_wait .1f, time/sampler_wait_s s_wait .1f").split(", ")]
+
+LAPS = 4096  # the phase marks a Run keeps (a deque): 2 a micro-batch, 2 or 3 a sampling try
+
+
+def phase_clock(device: torch.device):
+    """A step's phase timer (Run.clock): time.perf_counter on CPU; on CUDA an event recorded on the
+    stream, no host sync, so that a phase is charged the device time it queued."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def event() -> torch.cuda.Event:
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+    return event
+
+
+def phase_seconds(laps) -> dict:
+    """(phase, its end) marks, the first the start -> {"time/<phase>_s": seconds since the mark
+    before}, a phase's laps summed (micro-batches, sampling tries); CUDA: one wait, for the last."""
+    marks = list(laps)
+    cuda = isinstance(marks[-1][1], torch.cuda.Event)
+    if cuda:
+        marks[-1][1].synchronize()
+    seconds = Counter()
+    for (_, start), (phase, end) in zip(marks, marks[1:]):
+        seconds[f"time/{phase}_s"] += start.elapsed_time(end) / 1000 if cuda else end - start
+    return dict(seconds)
 
 
 class Logger:

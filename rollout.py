@@ -103,8 +103,7 @@ def row_seeds(seed, n: int, device) -> torch.Tensor:
 def uniform(keys: torch.Tensor) -> torch.Tensor:
     """keys [B] random int64 (one per row and position) -> u [B] float64 in (0, 1) from their top
     52 bits k: (k + 1/2) / 2^52, never exactly 0 or 1 (with 53 bits, k + 1/2 could round to 1)."""
-    k = (keys >> 12).bitwise_and_((1 << 52) - 1)                               # [B], 0 <= k < 2^52
-    return k.double().add_(0.5).mul_(2.0 ** -52)
+    return (keys >> 12).bitwise_and_((1 << 52) - 1).double().add_(0.5).mul_(2.0 ** -52)
 
 
 def pad_batch(seqs: list[list], pad=0, dtype=torch.long) -> torch.Tensor:
@@ -156,11 +155,10 @@ def completion_forward(model, prompts: list[list[int]], completions: list[list[i
     Rows with one prompt (a group's G samples) share its forward: model.Prefix."""
     dev = model.model.embed_tokens.weight.device
     prefix = Prefix(prompts, completions, dev)  # ids, valid [n, L]; at [n, L]: o_t's input
-    ids, valid = prefix.ids, prefix.valid
     with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
         return model(prefix.idx, prefix=prefix, head=lambda h, w: head(
-            h[0, prefix.at][valid], w, ids[valid],
-            max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), valid
+            h[0, prefix.at][prefix.valid], w, prefix.ids[prefix.valid],
+            max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), prefix.valid
 
 
 def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]],

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +48,7 @@ import tasks
 import templates
 import tooluse
 import verify
-from logger import Logger
+from logger import LAPS, Logger, phase_clock, phase_seconds
 from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
 from rollout import FINISH, STOP_NAMES, completion_logprobs, generate, pad_batch
 
@@ -72,6 +72,8 @@ class Run:
     options: bool = field(init=False)        # an option beyond the default step is on (Options)
     shaped: bool = field(init=False)         # rewards beyond the verifier's score (shaped_rewards)
     sampling: tuple = field(init=False)      # (temperature, top_k, top_p): π as sampled and scored
+    clock: object = field(init=False)        # the phase timer: perf_counter, or CUDA events
+    laps: deque = field(init=False)          # this step's (phase, clock at its end) marks
 
     def __post_init__(self):
         cfg = self.cfg  # resolved: Config.__post_init__ turned tis = "auto" into "none" or "token"
@@ -82,6 +84,7 @@ class Run:
                             kl_old=cfg.kl_old, agg=cfg.agg, max_len=cfg.max_new_tokens,
                             beta=cfg.beta if cfg.kl_in == "loss" else 0.0)  # β·KL to π_ref
         self.sampling = (cfg.temperature, cfg.top_k, cfg.top_p)
+        self.clock, self.laps = phase_clock(self.proc.device), deque(maxlen=LAPS)
         self.shaped = cfg.reward == "format_only" or bool(cfg.format_weight or cfg.overlong_buffer)
         self.options = (cfg.top_entropy_q < 1 or cfg.cov != "none" or cfg.tis != "none"
                         or bool(cfg.teacher) or cfg.kl_in == "reward" or cfg.reward != "outcome"
@@ -171,8 +174,10 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     group on every rank, in `problems` order: rank r samples problems r, r + world, ..., sample g
     of problem j seeded by (*keys, first + j, g), so any rank count draws the same tokens."""
     task, cfg, mine = run.task, run.cfg, range(run.proc.rank, len(problems), run.proc.world)
-    if model is None:  # the policy; where FSDP shards it, its plain copy, gathered if stale
-        model = run.model if run.sampler is None else infra.sampling(run.sampler, run.model)
+    if model is None and run.sampler is not None:  # FSDP2, LoRA: the policy's copy, if stale
+        model = infra.sampling(run.sampler, run.model)
+        run.laps.append(("refresh", run.clock()))  # (and the try's draw of problems)
+    model = run.model if model is None else model  # default: the policy
     prompts, groups = [task.prompt_ids(problems[j][1]) for j in mine], []
     if prompts:
         seeds = torch.tensor([tasks.seed_of(*keys, first + j, g) for j in mine for g in range(G)])
@@ -181,6 +186,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
         mask, ids, logp = ro.completion_mask.cpu(), ro.completion_ids.cpu(), ro.logprobs.cpu()
         comps, lps = [x[m].tolist() for x, m in zip(ids, mask)], [x[m] for x, m in zip(logp, mask)]
         texts = task.tok.decode_batch(comps, skip_special_tokens=True)
+    run.laps.append(("sample", run.clock()))  # where a step's time goes: phase_seconds
     for a, j in enumerate(mine):  # prompt j's G rows: a·G, ..., a·G + G − 1
         (pid, p), rows = problems[j], slice(a * G, (a + 1) * G)
         scores = [task.score(t, p) for t in texts[rows]]  # r_i: the verifier's; shaped later
@@ -215,6 +221,7 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
             problems = [run.task.problem("rl", state.rl_cursor + i) for i in range(n)]
             state.rl_cursor += n
         groups = sample_groups(run, problems, G, cfg.temperature, (cfg.seed, step, tries))
+        run.laps.append(("reward", run.clock()))  # the verifier's scores, gathered from the ranks
         if run.shaped:  # r_i beyond the verifier's score: format, length, the format-only control
             for g in groups:
                 g.rewards = shaped_rewards(cfg, g)
@@ -232,7 +239,6 @@ def dynamic_sampling(run: Run, state: TrainState, step: int) -> tuple[list[Group
              "train/kept_groups_frac": state.keep_rate, "train/sample_tries": tries + 1,
              "train/discarded_rollouts": G * (len(seen) - min(P, len(kept))),
              "train/skip_rate": skipped / (len(seen) + skipped), "time/rollout_s": seconds,
-             "train/truncated_frac": sum(sum(g.truncated) for g in seen) / samples,
              "time/sample_tok_per_s": sum(len(c) for g in kept[:P] for c in g.comps) / seconds}
     stats |= {f"train/finish_{r}": sum(g.finish.count(r) for g in seen) / samples for r in FINISH}
     if run.task.outside:  # reasoning-gym's or a user's scorer: its timeouts and errors
@@ -403,22 +409,24 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
             logp, entropy = completion_logprobs(run.model, *inputs, *run.sampling)      # [n, L]
             mask = batch.mask[rows, :logp.shape[1]]                                     # [n, L]
             if epoch == 0:  # π_old = π_θ before the update: ρ = 1; the clip binds from the 2nd
-                fixed[b] = dict(old_logp=logp.detach(), advantages=adv[rows],
-                                loss_scale=batch.norm)
+                fixed[b] = dict(old_logp=logp.detach(), advantages=adv[rows], loss_scale=batch.norm)
                 if run.cfg.beta and run.cfg.kl_in == "loss":  # β·KL(π_θ‖π_ref), GRPO's
                     fixed[b]["ref_logp"] = completion_logprobs(run.ref, *inputs, *run.sampling)[0]
                 if options:  # TIS, top-entropy, Clip-/KL-Cov, OPD: their terms in fixed[b]
                     options.terms(b, fixed[b], entropy, mask, batch.sampler_logp[rows])
+            run.laps.append(("forward", run.clock()))  # log π_θ (π_ref's, the options'; the batch)
             loss, terms = grpo.policy_loss(logp, mask=mask, **run.loss_kw, **fixed[b])
             metrics.append(grpo.loss_sums(loss, terms, mask, entropy, batch.sampler_logp[rows]))
             if run.sharded:  # FSDP2 reduce-scatters the gradients in the step's last backward
                 last = b == len(batch.plan) - 1 + batch.pad_passes  # (grad_sync every: in each)
                 run.model.set_requires_gradient_sync(run.sync_every or last)
             (loss * run.proc.world).backward()  # FSDP averages gradients over ranks: undo it
+            run.laps.append(("backward", run.clock()))
         if batch.pad_passes:  # fewer rows than the busiest rank: passes that add nothing
             infra.padding_passes(run.model, batch.pad_passes, every=run.sync_every)
         losses = [m["loss"] for m in metrics[len(metrics) - len(batch.plan):]]  # this epoch's
         gnorm = optimizer_step(run, opt, losses)  # a NaN on any rank: every rank skips
+        run.laps.append(("optimizer", run.clock()))  # (and the padding passes)
         if not torch.isfinite(gnorm):
             guard.name_bad_rows(step, run.proc.rank, epoch, losses, batch)
     sched.step()  # once per RL step, whatever ppo_epochs: the schedule ends at the last step
@@ -557,7 +565,10 @@ def main(cfg: Config) -> dict:
             state.sft_cursor += cfg.sft_batch_size
             rec = sft_update(run, opt, sched, prompts, comps)
         else:
+            run.laps.clear()  # the step's phases from here (time/<phase>_s: phase_seconds)
+            run.laps.append(("", run.clock()))
             rec = rl_step(run, opt, sched, state, step)
+            rec |= phase_seconds(run.laps)
             if run.link:  # π_step to the samplers, which may now sample step + 1 + K
                 run.link.publish(run, step, total)
         rec = {k: float(v) for k, v in rec.items()}  # the step's host sync, for logging

@@ -224,6 +224,8 @@ def test_at_staleness_0_the_sampler_waits_through_each_training_step(tmp_path):
     run(ARGS + ["--sampler_ranks=1", "--max_staleness=0", "--rl_steps=4", f"--out_dir={tmp_path / 'k0'}"], 2)
     recs = [r for r in records(tmp_path / "k0") if "train/staleness" in r]
     assert all(b["time/sampler_wait_s"] >= a["time/train_s"] for a, b in zip(recs, recs[1:]))
+    # the trainer's phases: its wait for the rollouts (take's mark), then the update; it samples nothing itself
+    assert all(r["time/wait_s"] > 0 and r["time/forward_s"] > 0 and "time/sample_s" not in r for r in recs), recs
 
 
 def test_a_rollout_message_with_a_tensor_off_the_cpu_is_refused():

@@ -246,6 +246,8 @@ class TrainerLink:
     def __init__(self, cfg, proc: infra.Proc, wire: Wire, weights):
         self.K, self.proc, self.wire, self.weights = cfg.max_staleness, proc, wire, weights
         self.heads, self.pending, self.works, self.settled_s = 0, deque(), [], 0.0
+        # take's phase mark (train.py's time/<phase>_s): nowhere until publish hands it the run's
+        self.laps, self.clock = deque(maxlen=1), time.perf_counter
         # the last step the samplers may sample; the last step taken from them
         self.allowed = self.received = 0
 

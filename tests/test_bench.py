@@ -97,3 +97,20 @@ def test_profile_splits_a_decode_call_by_op(capsys):
         assert "matrix products" in ln and "aten::mm" in ln
         shares = [float(x) for x in re.findall(r"aten::\w+ ([\d.]+)%", ln)]
         assert len(shares) == 5 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100
+
+
+def test_fused_times_the_same_products_apart_and_fused(capsys):
+    """--fused on a tiny Qwen2-shaped model (q/k/v biases, GQA): the fused path computes what the seven products do
+    (bench_fused checks it before timing), one line per row count with a ratio of the two times."""
+    import re
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(model_type="qwen2", attention_bias=True, vocab_size=64, hidden_size=16, n_layers=2,
+                                n_heads=4, n_kv_heads=2, intermediate_size=24, max_seq_len=64)).eval()
+    bench.bench_fused(m, repeats=1, rows_list=(3, 8))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(" rows")[0] for ln in lines] == ["3", "8"]
+    for ln in lines:
+        apart, fused, ratio = map(float, re.search(r"products ([\d.]+) ms, fused ([\d.]+) ms, fused / apart ([\d.]+)",
+                                                   ln).groups())
+        assert apart > 0 and fused > 0 and ratio > 0

@@ -44,6 +44,10 @@ row, at SmolLM2-135M's shape (random weights) or --ckpt's config:
 torch.profiler into its ops' self CPU time, the largest first, with the share that is matrix
 products (the LM head and the projections: aten::mm / addmm):
   python -m tools.bench --profile --ckpt checkpoints/SmolLM2-135M-Instruct --settings 64x1x128
+--fused instead times a decode step's projections through every layer (random inputs, the model's
+weights), the seven products as the model runs them (q, k, v, o; gate, up, down) against q/k/v and
+gate/up each fused into one wider product (the weights concatenated once), at 8, 64 and 512 rows:
+  python -m tools.bench --fused --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
 (HOSTILE) of 10k, 100k and 1M characters (linear time: ~10x per size), and math-verify's calls/s
@@ -591,6 +595,43 @@ def bench_profile(model, setting: str, prompt_len: int, top: int = 12):
                   f"{k} {v:.1%}" for k, v in sorted(share.items(), key=lambda x: -x[1])[:top]))
 
 
+@torch.no_grad()
+def bench_fused(model, repeats: int, rows_list=(8, 64, 512)):
+    """--fused (see the top): the projections of a decode step, apart against fused."""
+    blocks = [(b.self_attn, b.mlp) for b in model.model.layers]
+    parts = [(a.q_proj, a.k_proj, a.v_proj) for a, _ in blocks]
+    qkv = [(torch.cat([p.weight for p in ps]), torch.cat([p.bias for p in ps])
+            if ps[0].bias is not None else None) for ps in parts]
+    gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for _, m in blocks]
+    sizes = [p.out_features for p in parts[0]]
+
+    def layer_apart(x, i):  # -> (q, k, v, the MLP's output)
+        a, mlp = blocks[i]
+        return a.q_proj(x), a.k_proj(x), a.v_proj(x), mlp.down_proj(
+            F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def layer_fused(x, i):
+        (w, bias), mlp = qkv[i], blocks[i][1]
+        gate, up = F.linear(x, gate_up[i]).chunk(2, -1)
+        return *F.linear(x, w, bias).split(sizes, -1), mlp.down_proj(F.silu(gate) * up)
+
+    def run(layer, x):  # every layer; the residual scaled so that 30 of them stay finite
+        for i, (a, _) in enumerate(blocks):
+            q, _, _, mlp_out = layer(x, i)
+            x = x + (a.o_proj(q) + mlp_out) * 0.01
+        return x
+    for rows in rows_list:
+        x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        for i in range(len(blocks)):  # the fused products are the seven's, layer by layer
+            if not all(map(torch.allclose, layer_apart(x, i), layer_fused(x, i))):
+                raise AssertionError(f"layer {i}: the fused projections differ from the seven")
+        apart, fused = (lambda: run(layer_apart, x)), (lambda: run(layer_fused, x))
+        best = best_times({"apart": apart, "fused": fused}, repeats)
+        print(f"{rows} rows x {len(blocks)} layers, {torch.get_num_threads()} threads: "
+              f"seven products {best['apart'] * 1e3:.1f} ms, fused {best['fused'] * 1e3:.1f} ms, "
+              f"fused / apart {best['fused'] / best['apart']:.3f}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="2m", choices=sorted(PRESETS))
@@ -612,6 +653,7 @@ def parser() -> argparse.ArgumentParser:
                        ("--logprobs", "log-prob memory and time at a real vocabulary"),
                        ("--shared", "the log-prob forward with each group's prompt run once"),
                        ("--profile", "the eager decode's CPU time by op (torch.profiler)"),
+                       ("--fused", "decode projections apart against q/k/v and gate/up fused"),
                        ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--chunks", default="",
@@ -643,6 +685,8 @@ def main():
     model = model.to(torch.device(args.device), getattr(torch, args.dtype)).eval()
     if args.compact:
         return bench_compact(model, args.repeats)
+    if args.fused:
+        return bench_fused(model, args.repeats)
     if args.profile:
         return bench_profile(model, args.settings.split(",")[0], args.prompt_len)
     return bench_rl(model, args.threads, args.static) if args.rl else bench_sampling(model, args)

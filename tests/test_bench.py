@@ -114,3 +114,16 @@ def test_fused_times_the_same_products_apart_and_fused(capsys):
         apart, fused, ratio = map(float, re.search(r"products ([\d.]+) ms, fused ([\d.]+) ms, fused / apart ([\d.]+)",
                                                    ln).groups())
         assert apart > 0 and fused > 0 and ratio > 0
+
+
+def test_best_times_reports_each_jobs_first_call_apart():
+    """A job slow only on its first call (a compile): `first` holds that call, the best time the later ones."""
+    import time
+    calls = []
+
+    def job():
+        calls.append(1)
+        time.sleep(0.2 if len(calls) == 1 else 0.0)
+    first = {}
+    best = bench.best_times({"compiled": job}, repeats=2, first=first)
+    assert len(calls) == 3 and first["compiled"] >= 0.2 and best["compiled"] < 0.1

@@ -338,13 +338,15 @@ def bench_compact(model, repeats: int, values=(0.0, 0.5, 0.75, 0.9, 1.0), P=8, G
               f"default's ({default})")
 
 
-def best_times(jobs: dict, repeats: int) -> dict:
+def best_times(jobs: dict, repeats: int, first: dict | None = None) -> dict:
     """{name: fn} -> {name: fastest of `repeats`} (noise only adds time), one warm-up each, the jobs
-    taking turns."""
-    for fn in jobs.values():
-        fn()
+    taking turns; `first` gets each warm-up's time (a compiled job's: its compile)."""
     # CUDA work timed once it is done
     sync = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None
+    for k, fn in jobs.items():
+        t0 = sync() or time.perf_counter()
+        fn()
+        (first if first is not None else {})[k] = sync() or time.perf_counter() - t0
     best = {k: float("inf") for k in jobs}
     for _ in range(repeats):
         for k, fn in jobs.items():
@@ -537,8 +539,9 @@ def bench_sampling(model, args):
         jobs[f"matmul-only bound {n_rows} rows", 0.0] = (
             lambda xs=xs: [F.linear(x, w, b) for _ in range(20) for x, (w, b) in zip(xs, mats)],
             n_rows * 20)
-    tps = {k: jobs[k][1] / t
-           for k, t in best_times({k: fn for k, (fn, _) in jobs.items()}, args.repeats).items()}
+    first = {}  # each job's first call: a static (compiled) one's compile is in it
+    tps = {k: jobs[k][1] / t for k, t in best_times({k: fn for k, (fn, _) in jobs.items()},
+                                                    args.repeats, first).items()}
     pair = {label: {"greedy": tps[label, 0.0], "sampling": tps[label, 1.0]}
             for label, T in jobs if T == 1.0}
     results |= {f"ours_{P_}x{G_}x{new_}": pair[f"ours {P_}x{G_}x{new_}"]
@@ -564,6 +567,11 @@ def bench_sampling(model, args):
         n = math.prod(map(int, label.split()[-1].split("x")[:2])) if label.startswith("ours") else N
         frac = "" if "bound" in label else f"{a / bounds[n]:>18.2f} / {b / bounds[n]:.2f}"
         print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}{frac}")
+    for (label, T), t in first.items():  # the compile a static setting pays once, then its gain
+        if "static" in label:
+            eager = jobs[label.replace(" static", ""), T][1] / tps[label.replace(" static", ""), T]
+            print(f"{label}, T = {T}: first call {t:.1f} s (eager {eager:.1f} s), then "
+                  f"{tps[label, T] / tps[label.replace(' static', ''), T]:.2f}x eager's tok/s")
     if hf := results.get("transformers"):
         a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
         print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")

@@ -414,7 +414,7 @@ def rl_step(run: Run, opt, sched, state: TrainState, step: int) -> dict:
                     fixed[b]["ref_logp"] = completion_logprobs(run.ref, *inputs, *run.sampling)[0]
                 if options:  # TIS, top-entropy, Clip-/KL-Cov, OPD: their terms in fixed[b]
                     options.terms(b, fixed[b], entropy, mask, batch.sampler_logp[rows])
-            run.laps.append(("forward", run.clock()))  # log π_θ (π_ref's, the options'; the batch)
+            run.laps.append(("forward", run.clock()))  # log π_θ (and π_ref, options, the batch)
             loss, terms = grpo.policy_loss(logp, mask=mask, **run.loss_kw, **fixed[b])
             metrics.append(grpo.loss_sums(loss, terms, mask, entropy, batch.sampler_logp[rows]))
             if run.sharded:  # FSDP2 reduce-scatters the gradients in the step's last backward

@@ -343,10 +343,11 @@ def best_times(jobs: dict, repeats: int, first: dict | None = None) -> dict:
     taking turns; `first` gets each warm-up's time (a compiled job's: its compile)."""
     # CUDA work timed once it is done
     sync = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None
+    first = {} if first is None else first
     for k, fn in jobs.items():
         t0 = sync() or time.perf_counter()
         fn()
-        (first if first is not None else {})[k] = sync() or time.perf_counter() - t0
+        first[k] = sync() or time.perf_counter() - t0
     best = {k: float("inf") for k in jobs}
     for _ in range(repeats):
         for k, fn in jobs.items():
@@ -569,9 +570,9 @@ def bench_sampling(model, args):
         print(f"{label:<44}{a:>14,.0f}{b:>16,.0f}{frac}")
     for (label, T), t in first.items():  # the compile a static setting pays once, then its gain
         if "static" in label:
-            eager = jobs[label.replace(" static", ""), T][1] / tps[label.replace(" static", ""), T]
-            print(f"{label}, T = {T}: first call {t:.1f} s (eager {eager:.1f} s), then "
-                  f"{tps[label, T] / tps[label.replace(' static', ''), T]:.2f}x eager's tok/s")
+            eager = label.replace(" static", ""), T  # the same setting's eager job
+            print(f"{label}, T = {T}: first call {t:.1f} s (eager {jobs[eager][1] / tps[eager]:.1f}"
+                  f" s), then {tps[label, T] / tps[eager]:.2f}x eager's tok/s")
     if hf := results.get("transformers"):
         a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
         print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")

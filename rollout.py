@@ -36,6 +36,7 @@ records log_softmax(raw logits) at it; top_k/top_p do not apply.
 """
 import argparse
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -245,33 +246,34 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     # step 3's uniforms up front, one per (row, position), whatever batch a row is in
     noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))   # [N, L]
     static = decode.STATIC_BY_DEFAULT.get(dev.type, False) if static is None else static
-    if static or tools is not None:
-        return generate_decoder(model, prompts, G, L, (temperature, top_k, top_p, pad_id),
-                                stop_ids, seeds, noise, tools, static)
-    cache, logits = prefill(model, prompts, max(map(len, prompts)) + L, pad_id)  # 1. [P, V]
-    rows = torch.arange(P * G, device=dev)  # 2. the output row of each batch row: G per prompt
-    cache, logits = cache.index_rows(rows // G), logits[rows // G]                      # [N, V]
-    ids, logps = torch.full((P * G, L), pad_id, device=dev), torch.zeros(P * G, L, device=dev)
-    mask, live, nonfinite = torch.zeros(P * G, L, dtype=torch.bool, device=dev), rows >= 0, rows < 0
-    stop, compacted_at = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev), P * G
-    for t in range(L):
-        u = noise[rows, t] if temperature > 0 else None                            # [B] or greedy
-        tok, logp = decode.sample(filter_logits(logits, temperature, top_k, top_p), u)  # 3. [B]
-        ok = live & ~logp.isnan()  # logits not finite: the row ends here, without a token
-        ids[rows, t], logps[rows, t] = tok.masked_fill(~ok, pad_id), logp.masked_fill(~ok, 0.0)
-        mask[rows, t], nonfinite[rows] = ok, nonfinite[rows] | live & ~ok                 # 4.
-        live = ok & ~torch.isin(tok, stop)
-        n_live = int(live.sum()) if stop_ids else len(live)  # the host looks: every row done?
-        if n_live == 0 or t == L - 1:
-            break
-        if n_live <= COMPACT_AT * compacted_at:  # 5. drop the done rows: a copy, so not every step
-            keep, compacted_at = live.nonzero()[:, 0], n_live                         # [n_live]
-            rows, live, tok, cache = rows[keep], live[keep], tok[keep], cache.index_rows(keep)
-        logits = model(tok[:, None], cache)[:, -1]  # feed each row's token: [B, V]
-    truncated = torch.zeros_like(nonfinite).index_put_((rows,), live) | nonfinite  # no stop token
-    n = int(mask.sum(1).max())  # the longest completion
-    return Rollout(ids[:, :n], mask[:, :n], logps[:, :n], truncated, mask.sum(1), seeds, nonfinite,
-                   mask[:, :n], *rows.new_zeros(2, P * G), truncated + 2 * nonfinite)  # FINISH
+    with nullcontext() if static else model.packed():  # CPU: the weights packed for oneDNN
+        if static or tools is not None:
+            return generate_decoder(model, prompts, G, L, (temperature, top_k, top_p, pad_id),
+                                    stop_ids, seeds, noise, tools, static)
+        cache, logits = prefill(model, prompts, max(map(len, prompts)) + L, pad_id)  # 1. [P, V]
+        rows = torch.arange(P * G, device=dev)  # 2. the output row of each batch row: G per prompt
+        cache, logits = cache.index_rows(rows // G), logits[rows // G]                      # [N, V]
+        ids, logps = torch.full((P * G, L), pad_id, device=dev), torch.zeros(P * G, L, device=dev)
+        mask, live, nonfinite = torch.zeros_like(logps, dtype=torch.bool), rows >= 0, rows < 0
+        stop, compacted_at = rows.new_tensor(sorted(set(stop_ids))), P * G
+        for t in range(L):
+            u = noise[rows, t] if temperature > 0 else None                        # [B] or greedy
+            tok, logp = decode.sample(filter_logits(logits, temperature, top_k, top_p), u)  # 3. [B]
+            ok = live & ~logp.isnan()  # logits not finite: the row ends here, without a token
+            ids[rows, t], logps[rows, t] = tok.masked_fill(~ok, pad_id), logp.masked_fill(~ok, 0.0)
+            mask[rows, t], nonfinite[rows] = ok, nonfinite[rows] | live & ~ok                 # 4.
+            live = ok & ~torch.isin(tok, stop)
+            n_live = int(live.sum()) if stop_ids else len(live)  # the host looks: every row done?
+            if n_live == 0 or t == L - 1:
+                break
+            if n_live <= COMPACT_AT * compacted_at:  # 5. drop the done rows (a copy: not each step)
+                keep, compacted_at = live.nonzero()[:, 0], n_live                         # [n_live]
+                rows, live, tok, cache = rows[keep], live[keep], tok[keep], cache.index_rows(keep)
+            logits = model(tok[:, None], cache)[:, -1]  # feed each row's token: [B, V]
+        truncated = torch.zeros_like(nonfinite).index_put_((rows,), live) | nonfinite  # no stop id
+        n = int(mask.sum(1).max())  # the longest completion
+        return Rollout(ids[:, :n], mask[:, :n], logps[:, :n], truncated, mask.sum(1), seeds,
+                       nonfinite, mask[:, :n], *rows.new_zeros(2, P * G), truncated + 2 * nonfinite)
 
 
 def finish(ids, mask, logprobs, truncated, seeds, nonfinite, policy, calls=None,

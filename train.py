@@ -339,8 +339,7 @@ def optimizer_step(run: Run, opt, losses: list[torch.Tensor] = ()) -> torch.Tens
     rank (one all-reduce) or a non-finite norm skips the step on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    bad = torch.stack([~torch.isfinite(x) for x in losses]).sum() if losses else torch.zeros(())
-    norm = torch.where(infra.all_sum(bad.float()) == 0, norm, math.nan)
+    norm = torch.where(infra.all_sum(sum(~x.isfinite() for x in losses)) == 0, norm, math.nan)
     # skipped: opt.step() still runs, without gradients (it changes nothing), so that torch never
     # sees the LR scheduler step before the optimizer has (it warns)
     if not torch.isfinite(norm):

@@ -82,11 +82,13 @@ def test_refill_policies_replayed_on_fixed_keep_rates():
     assert new["tries"] < 0.7 * old["tries"] and new["short"] <= old["short"]
 
 
-def test_profile_splits_a_decode_call_by_op(capsys):
+def test_profile_splits_a_decode_call_by_op(capsys, monkeypatch):
     """--profile on a tiny model: both temperatures, the matrix products' share, ops named by the profiler, shares
     that are fractions (the largest first)."""
     import re
+    import model
     from model import ModelConfig, Transformer
+    monkeypatch.setattr(model, "PACK_FROM", 0)  # the packed GEMM counts as matrix products too
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
                                 intermediate_size=24, max_seq_len=64)).eval()
@@ -94,8 +96,9 @@ def test_profile_splits_a_decode_call_by_op(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split(",")[0] for ln in lines] == ["T = 0.0", "T = 1.0"]
     for ln in lines:
-        assert "matrix products" in ln and "aten::mm" in ln
-        shares = [float(x) for x in re.findall(r"aten::\w+ ([\d.]+)%", ln)]
+        assert "matrix products" in ln and ("mkldnn::_linear_pointwise" if model.PACKED_GEMM else "aten::mm") in ln
+        assert float(re.search(r"matrix products ([\d.]+)%", ln).group(1)) > 10
+        shares = [float(x) for x in re.findall(r"(?:aten|mkldnn)::\w+ ([\d.]+)%", ln)]
         assert len(shares) == 5 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100
 
 
@@ -127,3 +130,29 @@ def test_best_times_reports_each_jobs_first_call_apart():
     first = {}
     best = bench.best_times({"compiled": job}, repeats=2, first=first)
     assert len(calls) == 3 and first["compiled"] >= 0.2 and best["compiled"] < 0.1
+
+
+def test_sampling_with_unpacked_times_both_gemms_side_by_side(capsys, monkeypatch):
+    """--unpacked: each eager setting again with model.PACKED_GEMM off (plain F.linear), a packed / unpacked line
+    per setting; the unpacked job really multiplies unpacked and the flag is back on afterwards."""
+    import model as model_py
+    from model import ModelConfig, Transformer
+    seen, plain = set(), model_py.linear
+    monkeypatch.setattr(model_py, "linear", lambda x, w, b=None, packed=None: seen.add(packed is not None)
+                        or plain(x, w, b, packed))
+    monkeypatch.setattr(model_py, "PACK_FROM", 0)  # the tiny model's weights too
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                                intermediate_size=24, max_seq_len=64)).eval()
+    args = bench.parser().parse_args(["--settings", "2x2x4,3x1x4", "--prompt_len", "5", "--repeats", "1",
+                                      "--naive_tokens", "2", "--no_hf", "--unpacked"])
+    before = model_py.PACKED_GEMM
+    try:
+        bench.bench_sampling(m, args)
+    finally:
+        torch.set_grad_enabled(True)  # bench_sampling switches autograd off for the process
+    out = capsys.readouterr().out
+    ratios = [ln for ln in out.splitlines() if ln.startswith("packed / unpacked")]
+    assert [ln.split()[3] for ln in ratios] == ["2x2x4", "3x1x4"]
+    assert all(float(x.rstrip("x")) > 0 for ln in ratios for x in ln.split()[4:])
+    assert seen == ({True, False} if before else {False}) and model_py.PACKED_GEMM == before

@@ -1,6 +1,6 @@
-"""tools/compare_vllm.py without vLLM: our side's child (eager and static modes timed, greedy and at T = 1; the eager
-greedy call's tokens kept: what the parent compares with vLLM's) on a tiny folder, its greedy tokens against a direct
-generate; a clear error when no vLLM python is given."""
+"""tools/compare_vllm.py without vLLM: our side's child (eager, static and unpacked modes timed, greedy and at
+T = 1; the first mode's greedy call's tokens kept: what the parent compares with vLLM's) on a tiny folder, its greedy
+tokens against a direct generate; a clear error when no vLLM python is given."""
 import json
 import os
 import subprocess
@@ -23,8 +23,13 @@ def test_our_side_times_both_modes_and_returns_the_eager_greedy_tokens(tmp_path,
                                     n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64, max_seq_len=64))
     model.save_pretrained(str(tmp_path))
     prompts = torch.randint(3, 64, (5, 6), generator=torch.Generator().manual_seed(1)).tolist()
-    best, toks = compare_vllm.ours(str(tmp_path), prompts, 7, 2, [0.0, 1.0])
-    assert set(best) == {"ours eager", "ours compiled", "ours eager T=1", "ours compiled T=1"}
+    import model as model_py
+    packed, flags, plain = model_py.PACKED_GEMM, [], rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda *a, **k: flags.append(model_py.PACKED_GEMM) or plain(*a, **k))
+    best, toks = compare_vllm.ours(str(tmp_path), prompts, 7, 2, [0.0, 1.0], ["eager", "compiled", "unpacked"])
+    assert set(best) == {f"ours {m}{t}" for m in ("eager", "compiled", "unpacked") for t in ("", " T=1")}
+    assert flags == [packed] * 12 + [False] * 6  # unpacked: plain F.linear (3 calls a temperature)
+    assert model_py.PACKED_GEMM == packed  # and back afterwards
     assert all(0 < v < 60 for v in best.values())
     want = rollout.generate(model, prompts, 1, 7, temperature=0.0, seed=0, static=False).completion_ids.tolist()
     assert toks == want and all(len(t) == 7 for t in toks)  # no stop ids: every row runs all the new tokens

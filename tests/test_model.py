@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import model
 from model import (KVCache, ModelConfig, Transformer, apply_rope, build_char_tokenizer, config_from_hf, config_to_hf,
                    load_tokenizer, read_config, rope_inv_freq)
 
@@ -221,6 +222,53 @@ def test_kv_cache_is_not_a_module_buffer():
     m = tiny()
     assert not list(m.buffers())
     assert isinstance(m.new_cache(2, 8), KVCache)
+
+
+def packs(m):  # each product's packed weight or None: the layers', then the head's
+    head = m.model.embed_tokens if m.lm_head is None else m.lm_head
+    return [vars(x).get("packed") for x in m.model.modules() if isinstance(x, model.Linear)] + [vars(head).get("packed")]
+
+
+def cached_logits(m, idx):  # a prefill of 6 tokens, then one token a step
+    cache = m.new_cache(len(idx), idx.shape[1])
+    return torch.cat([m(idx[:, :6], cache)] + [m(idx[:, t:t + 1], cache) for t in range(6, idx.shape[1])], 1)
+
+
+@pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
+@pytest.mark.parametrize("kw", [{}, dict(model_type="qwen2", attention_bias=True, tie_embeddings=False)])
+def test_packed_weights_give_the_plain_logits_and_leave_nothing_behind(kw, monkeypatch):
+    monkeypatch.setattr(model, "PACK_FROM", 0)  # every weight of the tiny model (by default: >= 2^17 elements)
+    m, idx = tiny(**kw), torch.randint(0, 23, (5, 16))
+    with torch.no_grad():
+        want = cached_logits(m, idx)
+        with m.packed():
+            assert all(p is not None for p in packs(m))  # every product, the head too, is packed
+            got = cached_logits(m, idx)
+            one = m(idx[:2])  # the packed products are the same in any batch: row by row, bit for bit
+            assert torch.equal(one[:1], m(idx[:1])) and torch.equal(one[1:], m(idx[1:2]))
+        assert (got - want).abs().max() < 1e-5 and not torch.equal(got, want)  # other sums, as close
+        assert packs(m) == [None] * len(packs(m))
+        m.model.layers[0].mlp.down_proj.weight.mul_(-2)  # the next call packs the weights it finds
+        with m.packed():
+            got = cached_logits(m, idx)
+        assert (got - cached_logits(m, idx)).abs().max() < 1e-5 and (got - want).abs().max() > 1e-3
+    with pytest.raises(KeyError), m.packed():  # an error inside: nothing left packed
+        raise KeyError
+    assert packs(m) == [None] * len(packs(m))
+    with m.packed():  # with autograd the plain products run: the same gradients
+        m(idx).logsumexp(-1).sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m(idx).logsumexp(-1).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, m.parameters()))
+    m64 = tiny(**kw).double()
+    with m64.packed():  # float64 (the tests' exact checks): nothing packed
+        assert packs(m64) == [None] * len(packs(m64))
+    monkeypatch.setattr(model, "PACK_FROM", 32 * 32)  # q and o (32 x 32), gate, up, down; not k, v (16 x 32)
+    with m.packed():
+        sizes = [x.weight.numel() for x in m.model.modules() if isinstance(x, model.Linear)]
+        assert [p is not None for p in packs(m)[:-1]] == [n >= 32 * 32 for n in sizes] and min(sizes) < 32 * 32
+        assert (packs(m)[-1] is None) == (23 * 32 < 32 * 32)  # the head: 23 x 32
 
 
 # the config.json of Qwen2.5-0.5B-Instruct and of Llama-3.2-1B-Instruct as the Hub ships them

@@ -42,7 +42,7 @@ row, at SmolLM2-135M's shape (random weights) or --ckpt's config:
   python -m tools.bench --shared --threads 2
 --profile instead splits one eager decode call (the first --settings, greedy and T = 1) by
 torch.profiler into its ops' self CPU time, the largest first, with the share that is matrix
-products (the LM head and the projections: aten::mm / addmm):
+products (the LM head and the projections: aten::mm / addmm, or oneDNN's packed GEMM):
   python -m tools.bench --profile --ckpt checkpoints/SmolLM2-135M-Instruct --settings 64x1x128
 --fused instead times a decode step's projections through every layer (random inputs, the model's
 weights), the seven products as the model runs them (q, k, v, o; gate, up, down) against q/k/v and
@@ -71,6 +71,7 @@ import torch.nn.functional as F
 
 import grpo
 import infra
+import model as model_py
 import rollout
 import train
 import verify
@@ -512,6 +513,15 @@ def hf_jobs(model, prompt_ids, G: int, new: int, dtype) -> dict:
     return {(label, T): (partial(hf_run, T > 0), len(prompt_ids) * G * new) for T in (0.0, 1.0)}
 
 
+def unpacked(fn):
+    """fn() with model.PACKED_GEMM off: generate's products by plain F.linear."""
+    before, model_py.PACKED_GEMM = model_py.PACKED_GEMM, False
+    try:
+        return fn()
+    finally:
+        model_py.PACKED_GEMM = before
+
+
 def bench_sampling(model, args):
     """Ours at every setting; transformers, the naive loop and the matmul-only bound at the first
     (see the top)."""
@@ -528,6 +538,8 @@ def bench_sampling(model, args):
         for T, static in itertools.product((0.0, 1.0), (False, True) if args.static else (False,)):
             run = partial(generate, model, prompts, G, new, temperature=T, seed=0, static=static)
             jobs[f"ours{' static' * static} {P}x{G}x{new}", T] = (run, P * G * new)
+            if args.unpacked and not static:  # the products by plain F.linear, as before packing
+                jobs[f"ours unpacked {P}x{G}x{new}", T] = (partial(unpacked, run), P * G * new)
     (P, G, new), N = settings[0], math.prod(settings[0][:2])
     prompt_ids = torch.randint(3, cfg.vocab_size, (P, S), generator=gen).to(dev)
     jobs |= (hf := {} if args.no_hf else hf_jobs(model, prompt_ids, G, new, dtype))
@@ -573,6 +585,9 @@ def bench_sampling(model, args):
             eager = label.replace(" static", ""), T  # the same setting's eager job
             print(f"{label}, T = {T}: first call {t:.1f} s (eager {jobs[eager][1] / tps[eager]:.1f}"
                   f" s), then {tps[label, T] / tps[eager]:.2f}x eager's tok/s")
+    for label in (lb for lb in pair if lb.startswith("ours unpacked")):  # packed / plain GEMM
+        a, b = (pair[label.replace(" unpacked", "")][k] / pair[label][k] for k in pair[label])
+        print(f"{'packed / unpacked ' + label.split()[-1]:<44}{a:>13.2f}x{b:>15.2f}x")
     if hf := results.get("transformers"):
         a, b = (results[f"ours_{P}x{G}x{new}"][k] / hf[k] for k in ("greedy", "sampling"))
         print(f"{'ours / transformers':<44}{a:>13.2f}x{b:>15.2f}x")
@@ -598,7 +613,7 @@ def bench_profile(model, setting: str, prompt_len: int, top: int = 12):
         wall, ops = time.perf_counter() - t0, prof.key_averages()
         total = sum(e.self_cpu_time_total for e in ops)
         share = {e.key: e.self_cpu_time_total / total for e in ops}
-        mm = share.get("aten::mm", 0) + share.get("aten::addmm", 0)
+        mm = sum(share.get(k, 0) for k in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"))
         print(f"T = {T}, {P}x{G}x{new}: {P * G * new / wall:.0f} tok/s (profiled), matrix "
               f"products {mm:.1%}; by op: " + ", ".join(
                   f"{k} {v:.1%}" for k, v in sorted(share.items(), key=lambda x: -x[1])[:top]))
@@ -657,6 +672,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_hf", action="store_true", help="skip transformers even if installed")
     p.add_argument("--static", action="store_true",
                    help="also the compiled static step (rollout.generate(static=True))")
+    p.add_argument("--unpacked", action="store_true",
+                   help="also ours by plain F.linear (model.PACKED_GEMM off), side by side")
     for mode, text in (("--rl", "the time split of one RL step (4 x 8 x 64 tokens) instead"),
                        ("--verify", "time verify.reward (and math-verify) instead of sampling"),
                        ("--logprobs", "log-prob memory and time at a real vocabulary"),

@@ -11,15 +11,16 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
   2. each side in a fresh process of its own, the sides taking turns (ours, vLLM, ours, vLLM, ...: a
      slow spell of the machine hits both), same thread count: one warm-up call (vLLM's model
      compile, ~20 s, and our first call are left out), then --calls timed calls of R rows x --new
-     tokens, greedy, no EOS (vLLM ignore_eos and min_tokens; ours without stop ids); ours eager, and
-     compiled (generate(static=True)) after its compile;
+     tokens, greedy, no EOS (vLLM ignore_eos and min_tokens; ours without stop ids); ours in each
+     of --modes: eager (the CPU default), compiled (generate(static=True), after its compile),
+     unpacked (eager by plain F.linear, as before model.Transformer.packed);
   3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of
      rows whose greedy tokens agree (random weights have near-ties: float32 sums in another order
      may flip one).
 
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python \\
-      --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1
+      --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1 --modes eager,unpacked
 """
 import argparse
 import json
@@ -36,17 +37,20 @@ from model import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from it
 
 
-def ours(folder, prompts, new, calls, temps):
-    """{mode: fastest seconds per call}, and the eager greedy call's tokens."""
+def ours(folder, prompts, new, calls, temps, modes):
+    """{mode: fastest seconds per call}, and the first mode's greedy call's tokens. Modes: eager
+    (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear)."""
     from rollout import generate
+    from tools.bench import unpacked
     model = Transformer.from_pretrained(folder).eval()
     best, toks = {}, None
-    for static, t in [(s, t) for s in (False, True) for t in temps]:
-        run = lambda: generate(model, prompts, 1, new, temperature=t, seed=0,  # noqa: E731
-                               static=static)
+    for mode, t in [(m, t) for m in modes for t in temps]:
+        call = lambda: generate(model, prompts, 1, new, temperature=t, seed=0,  # noqa: E731
+                                static=mode == "compiled")
+        run = (lambda: unpacked(call)) if mode == "unpacked" else call  # noqa: E731
         first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
         toks = toks or first
-        name = ("ours compiled" if static else "ours eager") + ("" if t == 0 else f" T={t:g}")
+        name = f"ours {mode}" + ("" if t == 0 else f" T={t:g}")
         for _ in range(calls):
             t0 = time.perf_counter()
             run()
@@ -80,7 +84,8 @@ def child(a):
     torch.set_num_threads(a.threads)
     prompts = json.load(open(a.prompts))
     temps = [float(t) for t in a.temperatures.split(",")]
-    best, toks = (vllm if a.side == "vllm" else ours)(a.folder, prompts, a.new, a.calls, temps)
+    best, toks = (vllm(a.folder, prompts, a.new, a.calls, temps) if a.side == "vllm" else
+                  ours(a.folder, prompts, a.new, a.calls, temps, a.modes.split(",")))
     print("RESULT " + json.dumps({"best": best, "tokens": toks}))
 
 
@@ -92,6 +97,8 @@ def main():
     p.add_argument("--ckpt", default="",
                    help="a real Hugging Face folder instead of --sizes (read, not written)")
     p.add_argument("--temperatures", default="0", help="e.g. 0,1: greedy, then sampling at T = 1")
+    p.add_argument("--modes", default="eager,compiled",
+                   help="ours: eager, compiled, unpacked (eager by plain F.linear), in this order")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
@@ -130,7 +137,8 @@ def main():
                 for side, py in (("ours", sys.executable), ("vllm", a.vllm_python)):
                     cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}",
                            f"--new={a.new}", f"--calls={a.calls}", f"--threads={a.threads}",
-                           f"--prompts={tmp}/prompts.json", f"--temperatures={a.temperatures}"]
+                           f"--prompts={tmp}/prompts.json", f"--temperatures={a.temperatures}",
+                           f"--modes={a.modes}"]
                     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:

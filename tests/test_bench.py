@@ -156,3 +156,38 @@ def test_sampling_with_unpacked_times_both_gemms_side_by_side(capsys, monkeypatc
     assert [ln.split()[3] for ln in ratios] == ["2x2x4", "3x1x4"]
     assert all(float(x.rstrip("x")) > 0 for ln in ratios for x in ln.split()[4:])
     assert seen == ({True, False} if before else {False}) and model_py.PACKED_GEMM == before
+
+
+@pytest.mark.skipif(not __import__("model").PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
+def test_gemm_times_plain_against_packed_per_weight_shape(capsys):
+    """--gemm: a line per input width, a plain / packed ratio per (weight, rows), after the products matched."""
+    import re
+    bench.bench_gemm(repeats=1, widths=(8, 16), rows_list=(2, 3), calls=1)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(",")[0] for ln in lines] == ["in 8", "in 16"]
+    for ln, k in zip(lines, (8, 16)):
+        cells = re.findall(r"(\d+) x (\d+) \([\d.e+-]+ x 2\^17\), (\d) rows ([\d.]+)", ln)
+        assert [(int(n), int(i), int(r)) for n, i, r, _ in cells] == [
+            (n, k, r) for n in (k, 4 * k, 50_000) for r in (2, 3)]
+        assert all(float(x) > 0 for *_, x in cells)
+
+
+@pytest.mark.skipif(not __import__("model").PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
+def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys, monkeypatch):
+    """--step_packed on a tiny folder: train.rl_step timed with the packed GEMM off and on (every product packed
+    here), medians of each, their ratio; the switch is back on afterwards."""
+    import model as model_py
+    from tools import compare_trl
+    from test_train import SMOKE
+    monkeypatch.setattr(model_py, "PACK_FROM", 0)
+    seen, plain = set(), model_py.linear
+    monkeypatch.setattr(model_py, "linear", lambda x, w, b=None, packed=None: seen.add(packed is not None)
+                        or plain(x, w, b, packed))
+    compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                      intermediate_size=64))
+    torch.set_num_threads(1)
+    med = bench.bench_step_packed(SMOKE, str(tmp_path), steps=1)
+    out = capsys.readouterr().out
+    assert "unpacked: step" in out and "packed: step" in out and "unpacked / packed: step" in out
+    assert set(med) == {False, True} and all(x > 0 for v in med.values() for x in v)
+    assert seen == {True, False} and model_py.PACKED_GEMM == bench.PACKABLE

@@ -48,12 +48,19 @@ products (the LM head and the projections: aten::mm / addmm, or oneDNN's packed 
 weights), the seven products as the model runs them (q, k, v, o; gate, up, down) against q/k/v and
 gate/up each fused into one wider product (the weights concatenated once), at 8, 64 and 512 rows:
   python -m tools.bench --fused --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
+--gemm instead times plain F.linear against oneDNN's packed GEMM (model.Transformer.packed) per
+weight shape and row count, the ratios that set model.PACK_FROM:
+  python -m tools.bench --gemm --threads 1; python -m tools.bench --gemm --threads 2
+--step_packed instead times train.rl_step of --config on --ckpt at compare_trl's bench shape (4 x 8
+x 64 tokens), --repeats steps each with the packed GEMM off and on, alternating after a warm-up:
+  python -m tools.bench --step_packed --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
 (HOSTILE) of 10k, 100k and 1M characters (linear time: ~10x per size), and math-verify's calls/s
 and agreement if importable:  python -m tools.bench --verify
 """
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -479,6 +486,37 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
     print(json.dumps({"rl_step": best}))
 
 
+def bench_step_packed(config: str, ckpt: str, steps: int):
+    """--step_packed (see the top): train.rl_step of `config` on the folder, compare_trl's bench
+    shape (4 prompts x 8, 64 new tokens, no stop ids or refill), after one warm-up step alternately
+    with model.PACKED_GEMM off and on; the median step and its rollout / training seconds."""
+    import statistics
+    cfg = train.parse_args(["--config", config, f"--threads={torch.get_num_threads()}",
+                            f"--out_dir={tempfile.mkdtemp()}", "--wandb_mode=disabled"])
+    cfg = dataclasses.replace(cfg, init_from=ckpt, prompts_per_step=4, group_size=8,
+                              max_new_tokens=64, beta=0.0, ppo_epochs=1, dynamic_sampling=False)
+    run = train.build_run(cfg)
+    run.task.stop_ids = []  # every row decodes all 64 tokens
+    opt, sched = train.make_optimizer(run, cfg.lr, 1000)
+    state, times = train.TrainState(), {False: [], True: []}
+    for step in range(1 + 2 * steps):
+        packed = model_py.PACKED_GEMM = step % 2 == 0 and PACKABLE
+        t0 = time.perf_counter()
+        rec = train.rl_step(run, opt, sched, state, step)
+        if step:
+            times[packed].append((time.perf_counter() - t0, rec["time/rollout_s"],
+                                  rec["time/train_s"]))
+    model_py.PACKED_GEMM = PACKABLE
+    med = {k: [statistics.median(x) for x in zip(*v)] for k, v in times.items() if v}
+    for k, (step_s, roll, tr) in med.items():
+        print(f"{'packed' if k else 'unpacked'}: step {step_s:.2f} s, rollout {roll:.2f} s, "
+              f"training {tr:.2f} s (median of {len(times[k])})")
+    if len(med) == 2:
+        print(f"unpacked / packed: step {med[False][0] / med[True][0]:.2f}x, rollout "
+              f"{med[False][1] / med[True][1]:.2f}x")
+    return med
+
+
 @torch.no_grad()
 def naive(model, prompt_ids, G: int, steps: int, T: float):
     """The no-cache loop: the whole sequence through the model at every step."""
@@ -511,6 +549,9 @@ def hf_jobs(model, prompt_ids, G: int, new: int, dtype) -> dict:
         assert out.shape == (len(ids), prompt_ids.shape[1] + new), out.shape
     label = f"transformers {transformers.__version__}"
     return {(label, T): (partial(hf_run, T > 0), len(prompt_ids) * G * new) for T in (0.0, 1.0)}
+
+
+PACKABLE = model_py.PACKED_GEMM  # this CPU's, before any job turns it off
 
 
 def unpacked(fn):
@@ -656,6 +697,30 @@ def bench_fused(model, repeats: int, rows_list=(8, 64, 512)):
               f"fused / apart {best['fused'] / best['apart']:.3f}")
 
 
+@torch.no_grad()
+def bench_gemm(repeats: int, widths=(128, 256, 384, 576, 896), rows_list=(16, 128), calls=20):
+    """--gemm (see the top): a product's time by plain F.linear over its time by the packed GEMM
+    (model.linear with a weight as Transformer.packed reorders it), per weight (out x in: in x in,
+    4·in x in, 50,000 x in) and rows; the two products checked equal first."""
+    gen = torch.Generator().manual_seed(0)
+    for k in widths:
+        cells = []
+        for n in (k, 4 * k, 50_000):
+            w = torch.randn(n, k, generator=gen) * 0.02
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            for rows in rows_list:
+                x = torch.randn(rows, 1, k, generator=gen)
+                if not torch.allclose(model_py.linear(x, w, packed=packed), F.linear(x, w),
+                                      atol=1e-5):
+                    raise AssertionError(f"{n} x {k}: the packed product differs from F.linear")
+                t = best_times({"plain": lambda: [F.linear(x, w) for _ in range(calls)],
+                                "packed": lambda: [model_py.linear(x, w, packed=packed)
+                                                   for _ in range(calls)]}, repeats)
+                cells.append(f"{n} x {k} ({n * k / 2 ** 17:.2g} x 2^17), {rows} rows "
+                             f"{t['plain'] / t['packed']:.2f}")
+        print(f"in {k}, {torch.get_num_threads()} threads, plain / packed: " + "; ".join(cells))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="2m", choices=sorted(PRESETS))
@@ -680,8 +745,12 @@ def parser() -> argparse.ArgumentParser:
                        ("--shared", "the log-prob forward with each group's prompt run once"),
                        ("--profile", "the eager decode's CPU time by op (torch.profiler)"),
                        ("--fused", "decode projections apart against q/k/v and gate/up fused"),
+                       ("--gemm", "plain F.linear against the packed GEMM, per weight shape"),
+                       ("--step_packed", "--config's RL step on --ckpt, unpacked and packed"),
                        ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
+    p.add_argument("--config", default="configs/smollm2-135m-rg.toml",
+                   help="--step_packed: the train.py config whose RL step is timed")
     p.add_argument("--chunks", default="",
                    help="--logprobs: the chunked path at 2^k logits a block, e.g. 21,23,25")
     # --logprobs runs each method in a child process
@@ -702,6 +771,10 @@ def main():
                 else bench_verify())
     if args.shared:
         return bench_shared(args.ckpt, args.repeats)
+    if args.gemm:
+        return bench_gemm(args.repeats)
+    if args.step_packed:
+        return bench_step_packed(args.config, args.ckpt, args.repeats)
     if args.device == "cuda" and not args.ckpt:
         return bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps)
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", "*.pth", "*.gguf",
                "*.onnx", "*.h5", "*.msgpack", "README.md", ".*")
 # oneDNN's GEMM on a weight reordered once into its blocked layout (as torch.compile's freezing
-# does on CPU): decode's products 1.3-4x F.linear's speed on x86 (Transformer.packed)
+# does on CPU): decode's products 1.05-3.5x F.linear's speed on x86 (Transformer.packed)
 PACKED_GEMM = (torch.backends.mkldnn.is_available()
                and torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 PACK_FROM = 2 ** 17  # weights of fewer elements (the CPU demo's) multiply faster unpacked
@@ -471,11 +471,12 @@ class Transformer(nn.Module):
     @contextmanager
     def packed(self):
         """Within: each Linear and the LM head of >= PACK_FROM weights multiply, without autograd,
-        by a copy of its weight that oneDNN reordered here (so this moment's weights; at 135M ~0.25
-        s, 0.5 GB, freed on exit): decode 1.4-1.5x faster at 135M (RESULTS.md §15). One layout,
-        oneDNN's for 64 rows, at any row count (as fast at 8-512 rows): a row's products are the
-        same in any batch. Only float32 CPU tensors where PACKED_GEMM holds (not FSDP's DTensors);
-        elsewhere, and for smaller weights (faster unpacked), nothing changes."""
+        by a copy of its weight that oneDNN reordered here (so this moment's weights; ~0.25 s and
+        0.5 GB at 135M, freed on exit): decode 1.3-1.5x faster at 135M (RESULTS.md §15). One
+        layout, oneDNN's for 64 rows, at any row count (as fast at 8-512 rows): a row's products
+        are the same in any batch. Only float32 CPU tensors where PACKED_GEMM holds (not FSDP's
+        DTensors); elsewhere, and for smaller weights (faster unpacked), nothing changes. Not
+        re-entrant: rollout.generate enters it once a call."""
         out = self.model.embed_tokens if self.lm_head is None else self.lm_head
         mods = [m for m in self.model.modules() if isinstance(m, Linear)] + [out]
         mods = [m for m in mods if m.weight.numel() >= PACK_FROM]  # smaller: faster unpacked

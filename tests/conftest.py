@@ -124,6 +124,18 @@ def hf_folder(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def linear_calls(monkeypatch) -> list[bool]:
+    """model.linear watched: per product, whether it ran on a packed weight (model.Transformer.packed); every
+    weight packable (PACK_FROM = 0), so that tiny models pack too."""
+    import model
+    calls, plain = [], model.linear
+    monkeypatch.setattr(model, "linear", lambda x, w, b=None, packed=None: calls.append(packed is not None)
+                        or plain(x, w, b, packed))
+    monkeypatch.setattr(model, "PACK_FROM", 0)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def gsm8k_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"

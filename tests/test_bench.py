@@ -132,15 +132,11 @@ def test_best_times_reports_each_jobs_first_call_apart():
     assert len(calls) == 3 and first["compiled"] >= 0.2 and best["compiled"] < 0.1
 
 
-def test_sampling_with_unpacked_times_both_gemms_side_by_side(capsys, monkeypatch):
+def test_sampling_with_unpacked_times_both_gemms_side_by_side(capsys, linear_calls):
     """--unpacked: each eager setting again with model.PACKED_GEMM off (plain F.linear), a packed / unpacked line
     per setting; the unpacked job really multiplies unpacked and the flag is back on afterwards."""
     import model as model_py
     from model import ModelConfig, Transformer
-    seen, plain = set(), model_py.linear
-    monkeypatch.setattr(model_py, "linear", lambda x, w, b=None, packed=None: seen.add(packed is not None)
-                        or plain(x, w, b, packed))
-    monkeypatch.setattr(model_py, "PACK_FROM", 0)  # the tiny model's weights too
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=64, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1,
                                 intermediate_size=24, max_seq_len=64)).eval()
@@ -155,7 +151,7 @@ def test_sampling_with_unpacked_times_both_gemms_side_by_side(capsys, monkeypatc
     ratios = [ln for ln in out.splitlines() if ln.startswith("packed / unpacked")]
     assert [ln.split()[3] for ln in ratios] == ["2x2x4", "3x1x4"]
     assert all(float(x.rstrip("x")) > 0 for ln in ratios for x in ln.split()[4:])
-    assert seen == ({True, False} if before else {False}) and model_py.PACKED_GEMM == before
+    assert set(linear_calls) == ({True, False} if before else {False}) and model_py.PACKED_GEMM == before
 
 
 @pytest.mark.skipif(not __import__("model").PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
@@ -173,16 +169,13 @@ def test_gemm_times_plain_against_packed_per_weight_shape(capsys):
 
 
 @pytest.mark.skipif(not __import__("model").PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
-def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys, monkeypatch):
+def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys, linear_calls):
     """--step_packed on a tiny folder: train.rl_step timed with the packed GEMM off and on (every product packed
     here), medians of each, their ratio; the switch is back on afterwards."""
     import model as model_py
     from tools import compare_trl
     from test_train import SMOKE
-    monkeypatch.setattr(model_py, "PACK_FROM", 0)
-    seen, plain = set(), model_py.linear
-    monkeypatch.setattr(model_py, "linear", lambda x, w, b=None, packed=None: seen.add(packed is not None)
-                        or plain(x, w, b, packed))
+    before = model_py.PACKED_GEMM
     compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
                                                       intermediate_size=64))
     torch.set_num_threads(1)
@@ -190,4 +183,4 @@ def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys
     out = capsys.readouterr().out
     assert "unpacked: step" in out and "packed: step" in out and "unpacked / packed: step" in out
     assert set(med) == {False, True} and all(x > 0 for v in med.values() for x in v)
-    assert seen == {True, False} and model_py.PACKED_GEMM == bench.PACKABLE
+    assert set(linear_calls) == {True, False} and model_py.PACKED_GEMM == before

@@ -236,18 +236,15 @@ def cached_logits(m, idx):  # a prefill of 6 tokens, then one token a step
 
 @pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
 @pytest.mark.parametrize("kw", [{}, dict(model_type="qwen2", attention_bias=True, tie_embeddings=False)])
-def test_packed_weights_give_the_plain_logits_and_leave_nothing_behind(kw, monkeypatch):
-    monkeypatch.setattr(model, "PACK_FROM", 0)  # every weight of the tiny model (by default: >= 2^17 elements)
+def test_packed_weights_give_the_plain_logits_and_leave_nothing_behind(kw, monkeypatch, linear_calls):
     m, idx = tiny(**kw), torch.randint(0, 23, (5, 16))
     with torch.no_grad():
         want = cached_logits(m, idx)
         with m.packed():
             assert all(p is not None for p in packs(m))  # every product, the head too, is packed ...
-            seen, plain = [], model.linear
-            monkeypatch.setattr(model, "linear", lambda x, w, b=None, packed=None: seen.append(packed is not None)
-                                or plain(x, w, b, packed))
+            n = len(linear_calls)
             got = cached_logits(m, idx)
-            monkeypatch.setattr(model, "linear", plain)
+            seen = linear_calls[n:]
             assert len(seen) == 11 * 15 and all(seen)  # ... and multiplies so: 11 forwards x 15 products
             one = m(idx[:2])  # the packed products are the same in any batch: row by row, bit for bit
             assert torch.equal(one[:1], m(idx[:1])) and torch.equal(one[1:], m(idx[1:2]))

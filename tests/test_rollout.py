@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import decode
+import model
 import rollout
 from decode import filter_logits, sample
-import model
 from model import KVCache, ModelConfig, Transformer
 from rollout import HeadLogProbs, completion_logprobs, generate, mix64, uniform
 
@@ -219,17 +219,13 @@ def test_bfloat16_model_runs():
 
 
 @pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
-def test_the_eager_loop_multiplies_by_packed_weights_and_leaves_none(monkeypatch):
+def test_the_eager_loop_multiplies_by_packed_weights_and_leaves_none(linear_calls):
     """On this CPU every product of generate's eager loop (prefill, decode, the head) runs on the weights
     packed for oneDNN (model.Transformer.packed), so the checks above against plain forwards test that
     path (test_tooluse: the loop with tools); afterwards nothing stays packed."""
-    seen, plain = [], model.linear
-    monkeypatch.setattr(model, "linear", lambda x, w, b=None, packed=None: seen.append(packed is not None)
-                        or plain(x, w, b, packed))
-    monkeypatch.setattr(model, "PACK_FROM", 0)  # every weight of the tiny model (by default: >= 2^17 elements)
-    m = tiny()
+    m = tiny()  # every weight packable here (linear_calls); by default >= 2^17 elements
     r = generate(m, PROMPTS, 2, 8, 1.0, stop_ids=STOP, seed=0)
-    assert all(seen) and len(seen) == 15 * int(r.lengths.max())  # a forward a token: 2 layers x 7 + the head
+    assert all(linear_calls) and len(linear_calls) == 15 * int(r.lengths.max())  # a forward a token: 2 layers x 7 + the head
     assert all("packed" not in vars(x) for x in m.modules())
 
 

@@ -76,14 +76,10 @@ def replay(b: tooluse.Toolbox, ids: list[int]) -> tuple[list[bool], int, bool]:
     return policy, calls, False
 
 
-def test_results_are_forced_exactly_and_the_trainer_forward_gives_the_sampler_logprobs(monkeypatch):
-    seen, plain = [], model.linear  # on x86 the loop with tools multiplies by packed weights (model.py)
-    monkeypatch.setattr(model, "linear", lambda x, w, b=None, packed=None: seen.append(packed is not None)
-                        or plain(x, w, b, packed))
-    monkeypatch.setattr(model, "PACK_FROM", 0)  # the tiny model's weights too
+def test_results_are_forced_exactly_and_the_trainer_forward_gives_the_sampler_logprobs(linear_calls):
     m, b = tiny(), box()
     r = generate(m, PROMPTS, 8, 60, 1.0, stop_ids=STOP, seed=1, tools=b)
-    assert seen and all(seen) == model.PACKED_GEMM
+    assert linear_calls and all(linear_calls) == model.PACKED_GEMM  # on x86 the loop with tools packs too
     n_calls = r.tool_calls.tolist()
     for (ids, policy), calls in zip(rows(r), n_calls):
         want, k, _ = replay(b, ids)

@@ -162,6 +162,10 @@ class Config:
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
     micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation
                                         #   memory
+    cpu_bf16: bool = False              # CPU: the trainer's forwards and backward in bf16 autocast
+                                        #   as on CUDA (fp32 weights, gradients and AdamW; the
+                                        #   sampler stays fp32); pays where the CPU has bf16
+                                        #   instructions (AVX512-BF16, AMX): RESULTS.md §15
     activation_checkpointing: str = "auto"  # recompute each block's activations in backward:
                                         #   true | false | auto (on where memory.plan says the
                                         #   saved activations would not fit the GPU)

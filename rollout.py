@@ -56,6 +56,8 @@ MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buff
 WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded up (a graph a width)
 # completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
 LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
+# completion_forward in bf16 autocast (fp32 weights and gradients): CUDA; CPU with cpu_bf16
+BF16 = {"cuda"}
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 # how a row ended (Rollout.finish): a stop token; max_new_tokens; a tool call past max_tool_calls
 # (tooluse.py); logits that were not finite
@@ -124,11 +126,12 @@ class HeadLogProbs(torch.autograd.Function):
     def forward(ctx, h, w, targets, temperature, top_k, top_p, chunk):
         logp, ent = (h.new_empty(len(h), dtype=torch.promote_types(h.dtype, torch.float32))
                      for _ in range(2))                                              # [M], [M]
-        for i in range(0, len(h), chunk):
-            z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c, V]
-            lz = z.log_softmax(-1)
-            logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
-            ent[i:i + chunk] = -(lz.exp() * lz).nansum(-1)  # a filtered token's 0 · −inf adds 0
+        with torch.autocast(h.device.type, enabled=False):  # in w's dtype, as backward
+            for i in range(0, len(h), chunk):
+                z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c,V]
+                lz = z.log_softmax(-1)
+                logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
+                ent[i:i + chunk] = -(lz.exp() * lz).nansum(-1)  # filtered: 0·−inf, skipped
         ctx.save_for_backward(h, w, targets)
         ctx.settings = temperature, top_k, top_p, chunk
         ctx.mark_non_differentiable(ent)
@@ -150,15 +153,16 @@ class HeadLogProbs(torch.autograd.Function):
 
 
 def completion_forward(model, prompts: list[list[int]], completions: list[list[int]], head):
-    """One causal forward over prompt + completion (bf16 autocast on CUDA), its LM head replaced by
-    head(h [M, C], w [V, C], targets [M], chunk) at the M completion tokens only (chunk: the rows of
-    a [chunk, V] block of ~2^23 logits) -> (head's result, valid [n, L]: a completion's tokens).
-    Rows with one prompt (a group's G samples) share its forward: model.Prefix."""
+    """One causal forward over prompt + completion (bf16 autocast on BF16's devices), its LM head
+    replaced by head(h [M, C], w [V, C], targets [M], chunk) at the M completion tokens only
+    (chunk: the rows of a [chunk, V] block of ~2^23 logits) -> (head's result, valid [n, L]: a
+    completion's tokens). Rows with one prompt (a group's G samples) share its forward:
+    model.Prefix."""
     dev = model.model.embed_tokens.weight.device
     prefix = Prefix(prompts, completions, dev)  # ids, valid [n, L]; at [n, L]: o_t's input
-    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+    with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type in BF16):  # the head: w's dtype
         return model(prefix.idx, prefix=prefix, head=lambda h, w: head(
-            h[0, prefix.at][prefix.valid], w, prefix.ids[prefix.valid],
+            h[0, prefix.at][prefix.valid].to(w.dtype), w, prefix.ids[prefix.valid],
             max(1, LOGITS_PER_CHUNK.get(dev.type, 2 ** 23) // w.shape[0]))), prefix.valid
 
 
@@ -171,8 +175,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     head runs only at completion tokens, in chunks (HeadLogProbs): never [n, L, V] logits."""
     (logp, ent), valid = completion_forward(model, prompts, completions, lambda h, w, t, c: (
         HeadLogProbs.apply(h, w, t, temperature, top_k, top_p, c)))                  # [M], [M]
-    zeros = logp.new_zeros(valid.shape)
-    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
+    return tuple(logp.new_zeros(valid.shape).masked_scatter(valid, x) for x in (logp, ent))
 
 
 def completion_log_softmax(model, prompts: list[list[int]], completions: list[list[int]],

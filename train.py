@@ -41,6 +41,7 @@ import guard
 import infra
 import lora
 import memory
+import rollout
 from config import Config, parse_args
 # the printed formula; what options beyond the default path add to a step
 from objective import Options, objective
@@ -124,6 +125,10 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     proc = infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
+    (rollout.BF16.add if cfg.cpu_bf16 else rollout.BF16.discard)("cpu")  # rollout.py's global
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX512-BF16 or AMX instructions
+    if cfg.cpu_bf16 and proc.device.type == "cpu" and not native:
+        print("note: cpu_bf16 on a CPU without bf16 instructions runs slower than float32")
     proc, link = async_rl.split(proc, cfg)  # link: async's sides
     torch.manual_seed(cfg.seed)
     if cfg.init_from:

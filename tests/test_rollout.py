@@ -1,7 +1,10 @@
 """rollout.py against a naive uncached argmax loop, against itself alone, a full forward's log-probs, counted
 frequencies of sampled tokens, and a pure-Python splitmix64."""
+import os
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import decode
 import model
@@ -10,6 +13,7 @@ from decode import filter_logits, sample
 from model import KVCache, ModelConfig, Transformer
 from rollout import HeadLogProbs, completion_logprobs, generate, mix64, uniform
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 23
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8], [1, 10, 11]]  # different lengths: left padding
 STOP = (2, 7, 13)  # several stop ids, so rows stop at different steps and finished rows get dropped
@@ -338,6 +342,70 @@ def test_head_log_probs_backward_runs_its_gemms_in_the_weights_bf16():
     assert (lp16 - lp).abs().max() < 0.05
     for a, b in ((gh16, gh), (gw16, gw)):
         assert (a - b).norm() / b.norm() < 2e-2
+
+
+def test_cpu_bf16_runs_the_layers_products_in_bf16_and_the_lm_head_in_float32(monkeypatch):
+    """rollout.BF16 with "cpu" (train.py's cpu_bf16): completion_logprobs' forward and backward run the layers' and
+    attention's matrix products in bf16 and the chunked LM head's in float32 (MiniMax-M1 §3.2's fp32 head), while the
+    weights and their gradients stay float32. Against the standard path (autocast over the body, then the head's
+    logits in float32, one full forward per row, autograd's backward): log-probs and gradients far nearer it than
+    the float32 path is. Without it: float32 throughout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    class ProductDtypes(TorchDispatchMode):  # (the head's? any operand with a vocabulary-sized dimension, dtype)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in PRODUCTS:
+                head = any(V in a.shape for a in args if isinstance(a, torch.Tensor))
+                seen.add((head, args[0].dtype))
+            return func(*args, **(kwargs or {}))
+    m = tiny()
+    r = generate(m, PROMPTS, 3, 10, 0.8, stop_ids=STOP, seed=3)
+    comps, prompts = rows_of(r), [PROMPTS[i // 3] for i in range(len(r.lengths))]
+    w = torch.randn(len(comps), max(map(len, comps)))  # a random upstream gradient
+    out = []
+    for devices in ({"cuda"}, {"cuda", "cpu"}):
+        monkeypatch.setattr(rollout, "BF16", devices)
+        m.zero_grad()
+        seen = set()
+        with ProductDtypes():
+            lp, ent = completion_logprobs(m, prompts, comps, 0.8)
+            (lp * w).sum().backward()
+        assert lp.dtype == ent.dtype == torch.float32
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in m.parameters())
+        out.append((seen, lp.detach(), ent, [p.grad.clone() for p in m.parameters()]))
+    (seen32, lp32, ent32, g32), (seen16, lp16, ent16, g16) = out
+    f32, b16 = torch.float32, torch.bfloat16
+    assert seen32 == {(True, f32), (False, f32)} and seen16 == {(True, f32), (False, b16)}, (seen32, seen16)
+    m.zero_grad()
+    total, ref = 0, torch.zeros_like(lp16)
+    for i, (q, c) in enumerate(zip(prompts, comps)):
+        with torch.autocast("cpu", torch.bfloat16):
+            h, head = m(torch.tensor([q + c]), head=lambda h, w: (h, w))
+        logits = F.linear(h[0, len(q) - 1:len(q) - 1 + len(c)].float(), head)                      # [len, V] fp32
+        ref[i, :len(c)] = filter_logits(logits, 0.8).log_softmax(-1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+        total = total + (ref[i, :len(c)] * w[i, :len(c)]).sum()
+    total.backward()
+    gref = [p.grad for p in m.parameters()]
+    # bf16 moves the tiny model's large logits (up to ~20) by up to ~0.1; the two bf16 paths are nearer each other
+    # than either is to float32 (their kernels and shapes differ: rounding differs, not the arithmetic). Measured:
+    # log-probs 0.0019 against 0.0144 mean; gradients 0.6-1.6% against 2.2-5.7%
+    assert (lp16 - ref).abs().mean() < (lp16 - lp32).abs().mean() / 4 and (lp16 - lp32).abs().max() < 0.3
+    assert (ent16 - ent32).abs().max() < 0.3
+    for a, b, c in zip(g16, gref, g32):
+        assert (a - b).norm() / b.norm() < min(0.02, (a - c).norm() / c.norm() / 1.4) and (a - c).norm() / c.norm() < 0.1
+
+
+def test_cpu_bf16_is_a_setting_of_the_run(monkeypatch):
+    """train.build_run puts "cpu" in rollout.BF16 for cpu_bf16 = true and takes it out for a run without it."""
+    import train
+    monkeypatch.setattr(rollout, "BF16", {"cuda"})
+    args = ["--config", os.path.join(ROOT, "configs", "smoke.toml"), "--device=cpu", "--wandb_mode=disabled"]
+    train.build_run(train.parse_args(args + ["--cpu_bf16=true"]))
+    assert rollout.BF16 == {"cuda", "cpu"}
+    train.build_run(train.parse_args(args))
+    assert rollout.BF16 == {"cuda"}
 
 
 def one_level(z, u):

@@ -16,10 +16,11 @@ Needs trl and transformers, which the project does not:
      tokens), ε = eps_low / eps_high, β = beta, num_generations = G and prompts_per_step · G
      completions per step, max_new_tokens, temperature, top_k / top_p, lr with warmup_steps of
      linear warmup then cosine to min_lr_ratio · lr over rl_steps (or constant), AdamW β1 / β2,
-     weight decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32, no gradient
-     checkpointing; trl_micro_rows splits the backward as micro_batch_tokens does ours. What stays
-     different: TRL has no DAPO dynamic sampling (zero-spread groups train with zero advantage),
-     samples with transformers' generate, and its warmup starts at lr 0.
+     weight decay, grad clip, μ = ppo_epochs, group std-scaled advantages; float32 (cpu_bf16: bf16
+     autocast, as ours), no gradient checkpointing; trl_micro_rows splits the backward as
+     micro_batch_tokens does ours. What stays different: TRL has no DAPO dynamic sampling
+     (zero-spread groups train with zero advantage), samples with transformers' generate, and its
+     warmup starts at lr 0.
   2. Training stops after `trl_minutes` of wall-clock (give it the RL stage's time of the run it is
      compared with, measured side by side under the same load). train.evaluate (train.py's held-out
      set and metrics: greedy and sampled pass@1, maj@k, answer rates, length) scores TRL's weights
@@ -31,10 +32,10 @@ Needs trl and transformers, which the project does not:
   3. `--bench=2m,20m`: per size, one random Qwen2-shaped checkpoint (tools/bench.py's presets,
      vocabulary 4096: our characters plus fillers; or a model folder, on the config's task and
      template), 4 prompts × 8 completions of exactly 64 new tokens (stop tokens off in both),
-     β = 0, μ = 1, float32. Each TRL step is followed by one of ours (train.rl_step, no dynamic
-     sampling) in the same process, so the two take turns through any slow spell of the machine; the
-     first step of each is warm-up. Prints the median seconds per whole step (sample, reward, loss,
-     backward, AdamW) and their ratio.
+     β = 0, μ = 1, float32 (cpu_bf16: the training's products in bf16, both). Each TRL step is
+     followed by one of ours (train.rl_step, no dynamic sampling) in the same process, so the two
+     take turns through any slow spell of the machine; the first step of each is warm-up. Prints
+     the median seconds per whole step (sample, reward, loss, backward, AdamW) and their ratio.
 
   python -m tools.compare_trl --init_from=runs/demo/step_1000 --trl_minutes=5 --out_dir=runs/trl \\
       --threads=1
@@ -116,7 +117,7 @@ def grpo_config(trl, cfg: TrlConfig, out_dir: str, max_steps: int, **over):
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.grad_clip, shuffle_dataset=False, seed=cfg.seed,
         use_cpu=cfg.device != "cuda",
-        bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True,
+        bf16=cfg.cpu_bf16, fp16=False, gradient_checkpointing=False, disable_dropout=True,
         report_to="none",
         save_strategy="no", log_completions=False, **{"logging_steps": 10, **over})
 

@@ -3,7 +3,9 @@ rollout's chunked head) against naive float64 ones."""
 import pytest
 import torch
 
+import rollout
 from tools import bench
+
 
 def test_token_logprobs_chunked_and_differentiable():
     g = torch.Generator().manual_seed(2)
@@ -179,8 +181,28 @@ def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys
     compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
                                                       intermediate_size=64))
     torch.set_num_threads(1)
-    med = bench.bench_step_packed(SMOKE, str(tmp_path), steps=1)
+    med = bench.bench_step_ab(SMOKE, str(tmp_path), 1, {"unpacked": bench.unpacked, "packed": lambda fn: fn()})
     out = capsys.readouterr().out
     assert "unpacked: step" in out and "packed: step" in out and "unpacked / packed: step" in out
-    assert set(med) == {False, True} and all(x > 0 for v in med.values() for x in v)
+    assert set(med) == {"unpacked", "packed"} and all(x > 0 for v in med.values() for x in v[:3])
     assert set(linear_calls) == {True, False} and model_py.PACKED_GEMM == before
+
+
+def test_step_bf16_alternates_the_rl_step_in_float32_and_cpu_bf16(tmp_path, capsys, monkeypatch):
+    """--step_bf16's modes on a tiny folder: the trainer's log-prob forward runs with "cpu" in rollout.BF16 in one
+    mode and without it in the other, a step each after the warm-up round, and rollout.BF16 is as before after."""
+    import train
+    from tools import compare_trl
+    from test_train import SMOKE
+    compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                      intermediate_size=64))
+    seen, logprobs = [], train.completion_logprobs
+    monkeypatch.setattr(train, "completion_logprobs", lambda *a: seen.append("cpu" in rollout.BF16) or logprobs(*a))
+    monkeypatch.setattr(rollout, "BF16", {"cuda"})
+    torch.set_num_threads(1)
+    med = bench.bench_step_ab(SMOKE, str(tmp_path), 1, {"float32": bench.cpu_bf16(False),
+                                                        "cpu_bf16": bench.cpu_bf16(True)})
+    out = capsys.readouterr().out
+    assert "float32: step" in out and "cpu_bf16: step" in out and "float32 / cpu_bf16: step" in out
+    assert set(med) == {"float32", "cpu_bf16"} and all(x > 0 for v in med.values() for x in v[:3])
+    assert set(seen) == {False, True} and rollout.BF16 == {"cuda"}

@@ -54,6 +54,9 @@ weight shape and row count, the ratios that set model.PACK_FROM:
 --step_packed instead times train.rl_step of --config on --ckpt at compare_trl's bench shape (4 x 8
 x 64 tokens), --repeats steps each with the packed GEMM off and on, alternating after a warm-up:
   python -m tools.bench --step_packed --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
+--step_bf16 likewise with train.py's cpu_bf16 off and on (the layers' products in bf16 autocast,
+the LM head's in float32), and the mismatch KL between the sampler's and the trainer's log-probs:
+  python -m tools.bench --step_bf16 --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
 (HOSTILE) of 10k, 100k and 1M characters (linear time: ~10x per size), and math-verify's calls/s
@@ -486,10 +489,11 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
     print(json.dumps({"rl_step": best}))
 
 
-def bench_step_packed(config: str, ckpt: str, steps: int):
-    """--step_packed (see the top): train.rl_step of `config` on the folder, compare_trl's bench
-    shape (4 prompts x 8, 64 new tokens, no stop ids or refill), after one warm-up step alternately
-    with model.PACKED_GEMM off and on; the median step and its rollout / training seconds."""
+def bench_step_ab(config: str, ckpt: str, steps: int, modes: dict) -> dict:
+    """--step_packed / --step_bf16 (see the top): train.rl_step of `config` on the folder at
+    compare_trl's bench shape (4 prompts x 8, 64 new tokens, no stop ids or refill), each of
+    `modes` ({name: wrap(fn) -> fn()}) in turn, a warm-up step each first -> per mode the medians
+    of the step's, the rollout's and the training's seconds and the sampler-trainer mismatch KL."""
     import statistics
     cfg = train.parse_args(["--config", config, f"--threads={torch.get_num_threads()}",
                             f"--out_dir={tempfile.mkdtemp()}", "--wandb_mode=disabled"])
@@ -498,22 +502,33 @@ def bench_step_packed(config: str, ckpt: str, steps: int):
     run = train.build_run(cfg)
     run.task.stop_ids = []  # every row decodes all 64 tokens
     opt, sched = train.make_optimizer(run, cfg.lr, 1000)
-    state, times = train.TrainState(), {False: [], True: []}
-    for step in range(1 + 2 * steps):
-        call = partial(train.rl_step, run, opt, sched, state, step)
-        t0 = time.perf_counter()
-        rec = call() if step % 2 == 0 else unpacked(call)  # odd steps by plain F.linear
-        if step:
-            times[step % 2 == 0 and model_py.PACKED_GEMM].append(
-                (time.perf_counter() - t0, rec["time/rollout_s"], rec["time/train_s"]))
-    med = {k: [statistics.median(x) for x in zip(*v)] for k, v in times.items() if v}
-    for k, (step_s, roll, tr) in med.items():
-        print(f"{'packed' if k else 'unpacked'}: step {step_s:.2f} s, rollout {roll:.2f} s, "
-              f"training {tr:.2f} s (median of {len(times[k])})")
-    if len(med) == 2:
-        print(f"unpacked / packed: step {med[False][0] / med[True][0]:.2f}x, rollout "
-              f"{med[False][1] / med[True][1]:.2f}x")
+    state, names, rows = train.TrainState(), list(modes), {name: [] for name in modes}
+    for step in range(len(names) * (1 + steps)):
+        name, t0 = names[step % len(names)], time.perf_counter()
+        rec = modes[name](partial(train.rl_step, run, opt, sched, state, step))
+        if step >= len(names):  # past the warm-up round
+            rows[name].append((time.perf_counter() - t0, rec["time/rollout_s"],
+                               rec["time/train_s"], rec.get("train/mismatch_kl", math.nan)))
+    med = {k: [statistics.median(x) for x in zip(*v)] for k, v in rows.items()}
+    for k, (step_s, roll, tr, kl) in med.items():
+        print(f"{k}: step {step_s:.2f} s, rollout {roll:.2f} s, training {tr:.2f} s, "
+              f"sampler-trainer KL {kl:.1e} (median of {len(rows[k])})")
+    a, b = names[0], names[-1]
+    print(f"{a} / {b}: step {med[a][0] / med[b][0]:.2f}x, rollout {med[a][1] / med[b][1]:.2f}x, "
+          f"training {med[a][2] / med[b][2]:.2f}x")
     return med
+
+
+def cpu_bf16(on: bool):
+    """A bench_step_ab mode: fn() with train.py's cpu_bf16 `on` ("cpu" in rollout.BF16 or not)."""
+    def wrap(fn):
+        before = set(rollout.BF16)
+        (rollout.BF16.add if on else rollout.BF16.discard)("cpu")
+        try:
+            return fn()
+        finally:
+            rollout.BF16.clear(), rollout.BF16.update(before)
+    return wrap
 
 
 @torch.no_grad()
@@ -743,10 +758,11 @@ def parser() -> argparse.ArgumentParser:
                        ("--fused", "decode projections apart against q/k/v and gate/up fused"),
                        ("--gemm", "plain F.linear against the packed GEMM, per weight shape"),
                        ("--step_packed", "--config's RL step on --ckpt, unpacked and packed"),
+                       ("--step_bf16", "--config's RL step on --ckpt, float32 and cpu_bf16"),
                        ("--compact", "eager tokens/s at several rollout.COMPACT_AT values")):
         p.add_argument(mode, action="store_true", help=text)
     p.add_argument("--config", default="configs/smollm2-135m-rg.toml",
-                   help="--step_packed: the train.py config whose RL step is timed")
+                   help="--step_packed, --step_bf16: the train.py config whose RL step is timed")
     p.add_argument("--chunks", default="",
                    help="--logprobs: the chunked path at 2^k logits a block, e.g. 21,23,25")
     # --logprobs runs each method in a child process
@@ -770,7 +786,11 @@ def main():
     if args.gemm:
         return bench_gemm(args.repeats)
     if args.step_packed:
-        return bench_step_packed(args.config, args.ckpt, args.repeats)
+        return bench_step_ab(args.config, args.ckpt, args.repeats,
+                             {"unpacked": unpacked, "packed": lambda fn: fn()})
+    if args.step_bf16:
+        return bench_step_ab(args.config, args.ckpt, args.repeats,
+                             {"float32": cpu_bf16(False), "cpu_bf16": cpu_bf16(True)})
     if args.device == "cuda" and not args.ckpt:
         return bench_gpu(L=args.gpu_new, rl_steps=args.gpu_rl_steps)
     torch.manual_seed(0)

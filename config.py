@@ -162,10 +162,11 @@ class Config:
     ppo_epochs: int = 1                 # μ: optimizer steps per batch (DeepSeekMath Alg. 1)
     micro_batch_tokens: int = 8192      # rows × padded length per forward; bounds activation
                                         #   memory
-    cpu_bf16: bool = False              # CPU: the trainer's forwards and backward in bf16 autocast
-                                        #   as on CUDA (fp32 weights, gradients and AdamW; the
-                                        #   sampler stays fp32); pays where the CPU has bf16
-                                        #   instructions (AVX512-BF16, AMX): RESULTS.md §15
+    cpu_bf16: str = "false"             # CPU as CUDA: the decode from a bf16 copy of the weights,
+                                        #   the trainer's forwards and backward in bf16 autocast
+                                        #   (fp32 weights, gradients and AdamW): true | false |
+                                        #   auto (true where the CPU has bf16 instructions,
+                                        #   AVX512-BF16 or AMX, where it pays): RESULTS.md §15
     activation_checkpointing: str = "auto"  # recompute each block's activations in backward:
                                         #   true | false | auto (on where memory.plan says the
                                         #   saved activations would not fit the GPU)
@@ -222,6 +223,7 @@ class Config:
         "kl_estimator": grpo.KL_ESTIMATORS, "tis": ("auto", "none") + grpo.TIS_LEVELS,
         "tis_mode": grpo.TIS_MODES, "kl_in": ("loss", "reward"), "cov": ("none", "clip", "kl"),
         "print_config": ("changed", "all"), "cpu_compile": ("auto", "true", "false"),
+        "cpu_bf16": ("auto", "true", "false"),
         "save_dtype": ("", "float32", "bfloat16", "float16"),
         "activation_checkpointing": ("auto", "true", "false"),
         "grad_sync": ("auto", "last", "every")}

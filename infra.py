@@ -194,11 +194,11 @@ def full_state(model, opt=None, rank0_only=True, weights=True):
     return model_sd, opt and gather(dcp.get_optimizer_state_dict(model, opt, options=opts))
 
 
-def frozen_copy(model, device) -> Transformer:
-    """A plain unsharded copy in the compute dtype, bf16 on CUDA as FSDP computes (π_ref: KL 0 at
-    the start; the sampling weights: 2 bytes/param per rank, decoding outside FSDP's hooks, never a
-    gather per token)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def frozen_copy(model, device, dtype=None) -> Transformer:
+    """A plain unsharded copy in `dtype`, by default the compute dtype: bf16 on CUDA as FSDP
+    computes (π_ref: KL 0 at the start; the sampling weights: 2 bytes/param per rank, decoding
+    outside FSDP's hooks, never a gather per token)."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):  # no random init, no fp32 host copy: storage made in dtype, filled
         ref = Transformer(model.config).to(dtype)
     ref = ref.to_empty(device=device)
@@ -221,10 +221,11 @@ def refresh(copy, model, lazy=False):
         copy.frozen_copied = getattr(copy, "frozen_copied", False) or not lazy
 
 
-def sampling_copy(model, proc: Proc) -> Transformer | None:
-    """generate's weights: a plain (merged) copy if FSDP2 shards the policy or LoRA wraps it."""
-    plain = proc.world == 1 and proc.device.type != "cuda" and not lora.adapters(model)
-    return None if plain else frozen_copy(model, proc.device)
+def sampling_copy(model, proc: Proc, bf16: bool) -> Transformer | None:
+    """generate's weights: a plain (merged) copy if FSDP2 shards the policy, LoRA wraps it or the
+    decode runs in bf16 (`bf16`: CUDA, and CPU with train.py's cpu_bf16), else the policy itself."""
+    plain = proc.world == 1 and not bf16 and not lora.adapters(model)
+    return None if plain else frozen_copy(model, proc.device, torch.bfloat16 if bf16 else None)
 
 
 def compiled_sampling(cfg) -> bool | None:

@@ -56,7 +56,8 @@ MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buff
 WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded up (a graph a width)
 # completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
 LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
-# completion_forward in bf16 autocast (fp32 weights and gradients): CUDA; CPU with cpu_bf16
+# completion_forward in bf16 autocast (fp32 weights and gradients): CUDA; CPU with cpu_bf16 (whose
+# sampler is then a bf16 copy, as CUDA's: train.build_run)
 BF16 = {"cuda"}
 STOP_NAMES = ("<eos>", "<|endoftext|>", "<|im_end|>", "</s>", "<|eot_id|>")
 # how a row ended (Rollout.finish): a stop token; max_new_tokens; a tool call past max_tool_calls

@@ -125,9 +125,10 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     proc = infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
-    (rollout.BF16.add if cfg.cpu_bf16 else rollout.BF16.discard)("cpu")  # rollout.py's global
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX512-BF16 or AMX instructions
-    if cfg.cpu_bf16 and proc.device.type == "cpu" and not native:
+    cpu_bf16 = cfg.cpu_bf16 == "true" or cfg.cpu_bf16 == "auto" and native
+    (rollout.BF16.add if cpu_bf16 else rollout.BF16.discard)("cpu")  # rollout.py's global
+    if cfg.cpu_bf16 == "true" and proc.device.type == "cpu" and not native:
         print("note: cpu_bf16 on a CPU without bf16 instructions runs slower than float32")
     proc, link = async_rl.split(proc, cfg)  # link: async's sides
     torch.manual_seed(cfg.seed)
@@ -144,13 +145,14 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
         lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, adapter)
     info = templates.read_tokenizer_config(cfg.init_from) if cfg.init_from else {}
     task = tasks.Task(cfg, tok, templates.stop_ids(tok, info, STOP_NAMES), info)
+    bf16 = proc.device.type in rollout.BF16  # the decode's weights in bf16: CUDA; CPU, cpu_bf16
     if link and not link.trains:  # a sampler rank: a plain copy; weights come from the trainers
-        return Run(cfg, proc, infra.frozen_copy(model.to(proc.device), proc.device), task,
-                   link=link)
+        return Run(cfg, proc, infra.frozen_copy(model.to(proc.device), proc.device,
+                                                torch.bfloat16 if bf16 else None), task, link=link)
     # activation checkpointing and the gradient reduce-scatter's schedule: as set, or by the plan
     model.checkpointing, sync_every = memory.resolve(cfg, model.config, proc)
     model = infra.shard(model.to(proc.device), proc)  # generate reads a plain copy (sampling_copy)
-    return Run(cfg, proc, model, task, sampler=infra.sampling_copy(model, proc),
+    return Run(cfg, proc, model, task, sampler=infra.sampling_copy(model, proc, bf16),
                teacher=distill.load_teacher(cfg, tok, proc.device), link=link,
                sync_every=sync_every)
 
@@ -179,7 +181,7 @@ def sample_groups(run: Run, problems: list[tuple[int, tasks.Problem]], G: int, t
     group on every rank, in `problems` order: rank r samples problems r, r + world, ..., sample g
     of problem j seeded by (*keys, first + j, g), so any rank count draws the same tokens."""
     task, cfg, mine = run.task, run.cfg, range(run.proc.rank, len(problems), run.proc.world)
-    if model is None and run.sampler is not None:  # FSDP2, LoRA: the policy's copy, if stale
+    if model is None and run.sampler is not None:  # FSDP2, LoRA, bf16: the policy's copy
         model = infra.sampling(run.sampler, run.model)
         run.laps.append(("refresh", run.clock()))  # (and the try's draw of problems)
     model = run.model if model is None else model  # default: the policy

@@ -136,6 +136,14 @@ def linear_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+@pytest.fixture(autouse=True)
+def cpu_float32():
+    """Each test starts with the trainer's CPU forward in float32: train.build_run sets rollout.BF16 (a module
+    global) from cfg.cpu_bf16, and a run with it on must not leave later tests in bf16."""
+    import rollout
+    rollout.BF16.discard("cpu")
+
+
 @pytest.fixture(scope="session")
 def gsm8k_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"

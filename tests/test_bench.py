@@ -181,7 +181,8 @@ def test_step_packed_alternates_the_rl_step_unpacked_and_packed(tmp_path, capsys
     compare_trl.random_checkpoint(str(tmp_path), dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
                                                       intermediate_size=64))
     torch.set_num_threads(1)
-    med = bench.bench_step_ab(SMOKE, str(tmp_path), 1, {"unpacked": bench.unpacked, "packed": lambda fn: fn()})
+    med = bench.bench_step_ab(SMOKE, str(tmp_path), 1, {"unpacked": lambda run, fn: bench.unpacked(fn),
+                                                        "packed": lambda run, fn: fn()})
     out = capsys.readouterr().out
     assert "unpacked: step" in out and "packed: step" in out and "unpacked / packed: step" in out
     assert set(med) == {"unpacked", "packed"} and all(x > 0 for v in med.values() for x in v[:3])

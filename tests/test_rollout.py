@@ -397,15 +397,32 @@ def test_cpu_bf16_runs_the_layers_products_in_bf16_and_the_lm_head_in_float32(mo
         assert (a - b).norm() / b.norm() < min(0.02, (a - c).norm() / c.norm() / 1.4) and (a - c).norm() / c.norm() < 0.1
 
 
-def test_cpu_bf16_is_a_setting_of_the_run(monkeypatch):
-    """train.build_run puts "cpu" in rollout.BF16 for cpu_bf16 = true and takes it out for a run without it."""
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_bf16_is_a_setting_of_the_run(monkeypatch, capsys, native):
+    """train.build_run puts "cpu" in rollout.BF16 for cpu_bf16 = true, and for auto where the CPU has bf16
+    instructions (oneDNN's check), and takes it out for false (the default) and auto on other CPUs; true on those
+    says it will be slower. With it on, the run samples from a bf16 copy of the float32 policy (CUDA's way), which
+    an RL step refreshes; off, from the policy itself."""
     import train
     monkeypatch.setattr(rollout, "BF16", {"cuda"})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
     args = ["--config", os.path.join(ROOT, "configs", "smoke.toml"), "--device=cpu", "--wandb_mode=disabled"]
-    train.build_run(train.parse_args(args + ["--cpu_bf16=true"]))
-    assert rollout.BF16 == {"cuda", "cpu"}
-    train.build_run(train.parse_args(args))
-    assert rollout.BF16 == {"cuda"}
+    for setting, on in (("true", True), ("false", False), ("auto", native), ("true", True), ("", False)):
+        run = train.build_run(train.parse_args(args + ([f"--cpu_bf16={setting}"] if setting else [])))
+        assert rollout.BF16 == ({"cuda", "cpu"} if on else {"cuda"}), setting
+        assert next(run.model.parameters()).dtype == torch.float32
+        assert (run.sampler is not None and next(run.sampler.parameters()).dtype) == (on and torch.bfloat16)
+    run = train.build_run(train.parse_args(args + ["--cpu_bf16=true", "--dynamic_sampling=false",
+                                                    "--weight_decay=0.5"]))  # decay moves it, any reward
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    opt, sched = train.make_optimizer(run, 1e-2, 10)
+    train.rl_step(run, opt, sched, train.TrainState(), 5)  # samples from the copy, then updates the policy
+    assert train.infra.sampling(run.sampler, run.model) is run.sampler  # refreshed before it samples again
+    moved = [k for k, v in run.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(moved) > 5
+    for (name, p), q in zip(run.model.named_parameters(), run.sampler.parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.detach().bfloat16()), name
+    assert ("runs slower than float32" in capsys.readouterr().out) == (not native)
 
 
 def one_level(z, u):

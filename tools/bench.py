@@ -54,8 +54,9 @@ weight shape and row count, the ratios that set model.PACK_FROM:
 --step_packed instead times train.rl_step of --config on --ckpt at compare_trl's bench shape (4 x 8
 x 64 tokens), --repeats steps each with the packed GEMM off and on, alternating after a warm-up:
   python -m tools.bench --step_packed --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
---step_bf16 likewise with train.py's cpu_bf16 off and on (the layers' products in bf16 autocast,
-the LM head's in float32), and the mismatch KL between the sampler's and the trainer's log-probs:
+--step_bf16 likewise with train.py's cpu_bf16 off and on (the decode from a bf16 copy of the
+weights; training's layers in bf16 autocast, its LM head in float32), and the mismatch KL between
+the sampler's and the trainer's log-probs:
   python -m tools.bench --step_bf16 --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs
@@ -492,8 +493,9 @@ def bench_rl(model, threads: int, static: bool, P=4, G=8, L=64, S=32, steps=2):
 def bench_step_ab(config: str, ckpt: str, steps: int, modes: dict) -> dict:
     """--step_packed / --step_bf16 (see the top): train.rl_step of `config` on the folder at
     compare_trl's bench shape (4 prompts x 8, 64 new tokens, no stop ids or refill), each of
-    `modes` ({name: wrap(fn) -> fn()}) in turn, a warm-up step each first -> per mode the medians
-    of the step's, the rollout's and the training's seconds and the sampler-trainer mismatch KL."""
+    `modes` ({name: wrap(run, fn) -> fn()}) in turn, a warm-up step each first -> per mode the
+    medians of the step's, the rollout's and the training's seconds and the sampler-trainer
+    mismatch KL."""
     import statistics
     cfg = train.parse_args(["--config", config, f"--threads={torch.get_num_threads()}",
                             f"--out_dir={tempfile.mkdtemp()}", "--wandb_mode=disabled"])
@@ -505,7 +507,7 @@ def bench_step_ab(config: str, ckpt: str, steps: int, modes: dict) -> dict:
     state, names, rows = train.TrainState(), list(modes), {name: [] for name in modes}
     for step in range(len(names) * (1 + steps)):
         name, t0 = names[step % len(names)], time.perf_counter()
-        rec = modes[name](partial(train.rl_step, run, opt, sched, state, step))
+        rec = modes[name](run, partial(train.rl_step, run, opt, sched, state, step))
         if step >= len(names):  # past the warm-up round
             rows[name].append((time.perf_counter() - t0, rec["time/rollout_s"],
                                rec["time/train_s"], rec.get("train/mismatch_kl", math.nan)))
@@ -520,14 +522,17 @@ def bench_step_ab(config: str, ckpt: str, steps: int, modes: dict) -> dict:
 
 
 def cpu_bf16(on: bool):
-    """A bench_step_ab mode: fn() with train.py's cpu_bf16 `on` ("cpu" in rollout.BF16 or not)."""
-    def wrap(fn):
-        before = set(rollout.BF16)
+    """A bench_step_ab mode: fn() with train.py's cpu_bf16 `on` ("cpu" in rollout.BF16 and a bf16
+    sampling copy of the weights, infra.sampling_copy's) or off (neither)."""
+    def wrap(run, fn):
+        before, sampler = set(rollout.BF16), run.sampler
         (rollout.BF16.add if on else rollout.BF16.discard)("cpu")
+        run.sampler = infra.sampling_copy(run.model, run.proc, on)
         try:
             return fn()
         finally:
             rollout.BF16.clear(), rollout.BF16.update(before)
+            run.sampler = sampler
     return wrap
 
 
@@ -787,7 +792,8 @@ def main():
         return bench_gemm(args.repeats)
     if args.step_packed:
         return bench_step_ab(args.config, args.ckpt, args.repeats,
-                             {"unpacked": unpacked, "packed": lambda fn: fn()})
+                             {"unpacked": lambda run, fn: unpacked(fn),
+                              "packed": lambda run, fn: fn()})
     if args.step_bf16:
         return bench_step_ab(args.config, args.ckpt, args.repeats,
                              {"float32": cpu_bf16(False), "cpu_bf16": cpu_bf16(True)})

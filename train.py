@@ -125,7 +125,7 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     proc = infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX512-BF16 or AMX instructions
+    native = infra.cpu_has_bf16()  # AVX512-BF16 or AMX instructions
     cpu_bf16 = cfg.cpu_bf16 == "true" or cfg.cpu_bf16 == "auto" and native
     (rollout.BF16.add if cpu_bf16 else rollout.BF16.discard)("cpu")  # rollout.py's global
     if cfg.cpu_bf16 == "true" and proc.device.type == "cpu" and not native:

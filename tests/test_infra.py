@@ -230,3 +230,15 @@ def test_a_frozen_copy_is_built_without_a_random_init(monkeypatch):
     assert drawn and set(drawn) == {"meta"}  # the init ran on no storage
     x = torch.randint(0, 40, (2, 6))
     assert torch.equal(copy_(x), policy(x)) and not any(p.requires_grad for p in copy_.parameters())
+
+
+def test_cpu_has_bf16_is_false_where_onednn_cannot_say(monkeypatch):
+    """cpu_bf16 = "auto" asks infra.cpu_has_bf16 on every run: oneDNN's answer, and False (float32, no crash) where
+    the torch build has no oneDNN to ask."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert infra.cpu_has_bf16() is True
+
+    def missing():
+        raise RuntimeError("no mkldnn in this build")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    assert infra.cpu_has_bf16() is False

@@ -523,11 +523,16 @@ def bench_step_ab(config: str, ckpt: str, steps: int, modes: dict) -> dict:
 
 def cpu_bf16(on: bool):
     """A bench_step_ab mode: fn() with train.py's cpu_bf16 `on` ("cpu" in rollout.BF16 and a bf16
-    sampling copy of the weights, infra.sampling_copy's) or off (neither)."""
+    sampling copy of the weights, infra.sampling_copy's, made once: later steps refresh it, as a
+    run's do) or off (neither)."""
+    copies = {}
+
     def wrap(run, fn):
         before, sampler = set(rollout.BF16), run.sampler
         (rollout.BF16.add if on else rollout.BF16.discard)("cpu")
-        run.sampler = infra.sampling_copy(run.model, run.proc, on)
+        if id(run) not in copies:
+            copies[id(run)] = infra.sampling_copy(run.model, run.proc, on)
+        run.sampler = copies[id(run)]
         try:
             return fn()
         finally:

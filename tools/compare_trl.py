@@ -58,6 +58,7 @@ from typing import ClassVar
 import torch
 
 import cli
+import rollout
 import tasks
 import train
 from model import ModelConfig, Transformer, build_char_tokenizer
@@ -117,7 +118,7 @@ def grpo_config(trl, cfg: TrlConfig, out_dir: str, max_steps: int, **over):
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.grad_clip, shuffle_dataset=False, seed=cfg.seed,
         use_cpu=cfg.device != "cuda",
-        bf16=("cpu" if cfg.device != "cuda" else "cuda") in train.rollout.BF16,  # as our trainer
+        bf16=("cpu" if cfg.device != "cuda" else "cuda") in rollout.BF16,  # as our trainer
         fp16=False, gradient_checkpointing=False, disable_dropout=True,
         report_to="none",
         save_strategy="no", log_completions=False, **{"logging_steps": 10, **over})

@@ -134,22 +134,31 @@ class HeadLogProbs(torch.autograd.Function):
                 logp[i:i + chunk] = lz.gather(-1, targets[i:i + chunk, None])[:, 0]
                 ent[i:i + chunk] = -(lz.exp() * lz).nansum(-1)  # filtered: 0·−inf, skipped
         ctx.save_for_backward(h, w, targets)
-        ctx.settings = temperature, top_k, top_p, chunk
+        ctx.settings, ctx.bf16 = (temperature, top_k, top_p, chunk), torch.is_autocast_enabled(
+            h.device.type)
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, _):
         (h, w, targets), (temperature, top_k, top_p, chunk) = ctx.saved_tensors, ctx.settings
-        gh, gw = torch.zeros_like(h), torch.zeros_like(w, dtype=g.dtype)    # gw summed in float32+
+        # the products in w's dtype (bf16 on GPU), or bf16 if forward ran under bf16 autocast (the
+        # layers' backward's precision; forward's log π stays float32: the ratio, the sampler gap)
+        wc = w.to(torch.bfloat16) if ctx.bf16 else w
+        gh, gw = torch.empty_like(h), torch.zeros_like(w, dtype=g.dtype) if not len(h) else None
         for i in range(0, len(h), chunk):
-            z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c, V]
+            hi = h[i:i + chunk].to(wc.dtype)
+            z = filter_logits(F.linear(hi, wc), temperature, top_k, top_p)            # [c, V]
             gz = -z.log_softmax(-1).exp() * g[i:i + chunk, None]                       # −π g
             gz.scatter_add_(-1, targets[i:i + chunk, None], g[i:i + chunk, None])      # + onehot g
-            # both GEMMs in w's dtype (bf16 on GPU, fp32 accumulation inside), as Linear's backward
-            gz = (gz / temperature if temperature > 0 else gz).to(w.dtype)
-            gh[i:i + chunk] = gz @ w
-            gw += gz.T @ h[i:i + chunk].to(w.dtype)
+            gz = (gz / temperature if temperature > 0 else gz).to(wc.dtype)  # fp32 accumulation
+            gh[i:i + chunk] = gz @ wc
+            if gw is None:  # gw: the chunks' sum in float32+ (g's dtype)
+                gw = (gz.T @ hi).to(g.dtype)
+            elif gw.dtype == gz.dtype:  # in place: no [V, C] product per chunk (RESULTS §15)
+                gw.addmm_(gz.T, hi)
+            else:
+                gw += gz.T @ hi
         return gh, gw.to(w.dtype), None, None, None, None, None
 
 

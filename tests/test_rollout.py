@@ -344,9 +344,10 @@ def test_head_log_probs_backward_runs_its_gemms_in_the_weights_bf16():
         assert (a - b).norm() / b.norm() < 2e-2
 
 
-def test_cpu_bf16_runs_the_layers_products_in_bf16_and_the_lm_head_in_float32(monkeypatch):
+def test_cpu_bf16_runs_the_layers_products_in_bf16_and_the_lm_head_forward_in_float32(monkeypatch):
     """rollout.BF16 with "cpu" (train.py's cpu_bf16): completion_logprobs' forward and backward run the layers' and
-    attention's matrix products in bf16 and the chunked LM head's in float32 (MiniMax-M1 §3.2's fp32 head), while the
+    attention's matrix products in bf16, the chunked LM head's forward in float32 (MiniMax-M1 §3.2's fp32 head: the
+    log-probs of the ratio and of the sampler gap) and its backward in bf16 (as the layers' backward), while the
     weights and their gradients stay float32. Against the standard path (autocast over the body, then the head's
     logits in float32, one full forward per row, autograd's backward): log-probs and gradients far nearer it than
     the float32 path is. Without it: float32 throughout."""
@@ -368,16 +369,20 @@ def test_cpu_bf16_runs_the_layers_products_in_bf16_and_the_lm_head_in_float32(mo
     for devices in ({"cuda"}, {"cuda", "cpu"}):
         monkeypatch.setattr(rollout, "BF16", devices)
         m.zero_grad()
-        seen = set()
+        seen = fwd = set()
         with ProductDtypes():
             lp, ent = completion_logprobs(m, prompts, comps, 0.8)
+            seen = set()
             (lp * w).sum().backward()
+        seen = fwd, seen
         assert lp.dtype == ent.dtype == torch.float32
         assert all(p.dtype == p.grad.dtype == torch.float32 for p in m.parameters())
         out.append((seen, lp.detach(), ent, [p.grad.clone() for p in m.parameters()]))
     (seen32, lp32, ent32, g32), (seen16, lp16, ent16, g16) = out
     f32, b16 = torch.float32, torch.bfloat16
-    assert seen32 == {(True, f32), (False, f32)} and seen16 == {(True, f32), (False, b16)}, (seen32, seen16)
+    # (forward's, backward's) products: (the head's?, dtype)
+    assert seen32 == ({(True, f32), (False, f32)},) * 2, seen32
+    assert seen16 == ({(True, f32), (False, b16)}, {(True, b16), (False, b16)}), seen16
     m.zero_grad()
     total, ref = 0, torch.zeros_like(lp16)
     for i, (q, c) in enumerate(zip(prompts, comps)):

@@ -246,3 +246,16 @@ def test_cpu_has_bf16_is_false_where_onednn_cannot_say(monkeypatch):
         raise RuntimeError("no mkldnn in this build")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
     assert infra.cpu_has_bf16() is False
+
+
+def test_check_weights_counts_exactly_and_a_norm_that_overflows_is_no_error():
+    """check_weights' early exit (every weight's norm finite) and its count: a NaN and two infs are 3 weights,
+    named in the error; finite weights whose squares overflow float32 (a norm of inf) are not an error."""
+    lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        lin.weight.fill_(3e38)  # every |w| finite, ||w|| = inf in float32
+    infra.check_weights(lin, None, "out")
+    with torch.no_grad():
+        lin.weight.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    with pytest.raises(RuntimeError, match="^3 of the policy's weights are not finite"):
+        infra.check_weights(lin, None, "out")

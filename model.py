@@ -41,6 +41,10 @@ NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", 
 # does on CPU): decode's products 1.05-3.5x F.linear's speed on x86 (Transformer.packed)
 PACKED_GEMM = (torch.backends.mkldnn.is_available()
                and torch.backends.cpu.get_cpu_capability().startswith("AVX"))
+# float32 weights; bf16 ones (cpu_bf16's sampling copy) where oneDNN multiplies bf16 natively:
+# 1.1-1.8x at 32 rows, the same bits as F.linear's (RESULTS.md §15)
+PACKED_DTYPES = {torch.float32} | ({torch.bfloat16} if PACKED_GEMM
+                                   and torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
 PACK_FROM = 2 ** 17  # weights of fewer elements (the CPU demo's) multiply faster unpacked
 
 
@@ -474,14 +478,14 @@ class Transformer(nn.Module):
         by a copy of its weight that oneDNN reordered here (so this moment's weights; ~0.25 s and
         0.5 GB at 135M, freed on exit): decode 1.3-1.5x faster at 135M (RESULTS.md §15). One
         layout, oneDNN's for 64 rows, at any row count (as fast at 8-512 rows): a row's products
-        are the same in any batch. Only float32 CPU tensors where PACKED_GEMM holds (not FSDP's
-        DTensors); elsewhere, and for smaller weights (faster unpacked), nothing changes. Not
+        are the same in any batch. Only CPU tensors of PACKED_DTYPES where PACKED_GEMM holds (not
+        FSDP's DTensors); elsewhere, and for smaller weights (faster unpacked), nothing changes. Not
         re-entrant: rollout.generate enters it once a call."""
         out = self.model.embed_tokens if self.lm_head is None else self.lm_head
         mods = [m for m in self.model.modules() if isinstance(m, Linear)] + [out]
         mods = [m for m in mods if m.weight.numel() >= PACK_FROM]  # smaller: faster unpacked
-        if not PACKED_GEMM or any(type(m.weight.data) is not torch.Tensor or m.weight.dtype !=
-                                  torch.float32 or m.weight.device.type != "cpu" for m in mods):
+        if not PACKED_GEMM or any(type(m.weight.data) is not torch.Tensor or m.weight.dtype not in
+                                  PACKED_DTYPES or m.weight.device.type != "cpu" for m in mods):
             yield
             return
         for m in mods:

@@ -273,6 +273,26 @@ def test_packed_weights_give_the_plain_logits_and_leave_nothing_behind(kw, monke
         assert (packs(m)[-1] is None) == (23 * 32 < 32 * 32)  # the head: 23 x 32
 
 
+
+@pytest.mark.skipif(torch.bfloat16 not in model.PACKED_DTYPES, reason="oneDNN multiplies bf16 natively: AVX512-BF16")
+def test_packed_bf16_weights_give_the_plain_bf16_logits_bit_for_bit(monkeypatch, linear_calls):
+    """cpu_bf16's sampling copy (bf16 weights) packs where oneDNN multiplies bf16 natively: every product runs on the
+    packed weight and the cached logits are F.linear's bit for bit; where it does not (PACKED_DTYPES float32 only),
+    nothing is packed."""
+    m, idx = tiny().to(torch.bfloat16), torch.randint(0, 23, (5, 16))
+    with torch.no_grad():
+        want = cached_logits(m, idx)
+        with m.packed():
+            assert all(p is not None and p.dtype == torch.bfloat16 for p in packs(m))
+            n = len(linear_calls)
+            got = cached_logits(m, idx)
+            assert len(linear_calls) - n == 11 * 15 and all(linear_calls[n:])
+        assert torch.equal(got, want) and packs(m) == [None] * len(packs(m))
+        monkeypatch.setattr(model, "PACKED_DTYPES", {torch.float32})
+        with m.packed():
+            assert packs(m) == [None] * len(packs(m))
+
+
 # the config.json of Qwen2.5-0.5B-Instruct and of Llama-3.2-1B-Instruct as the Hub ships them
 QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
           "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,

@@ -253,10 +253,9 @@ def check_weights(model, sampler, out_dir: str):
     under FSDP2) summed over ranks in one all-reduce must be 0, else a RuntimeError on every rank;
     then the sampler's copy (if any) is stale: sampling gathers it first."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # shards
-    # one read of each: every norm finite -> every weight is (12x faster than counting, on CPU);
-    # else count (a norm can overflow where no weight is infinite: then the count is 0)
-    norms = torch.stack([torch.linalg.vector_norm(x.float()) for x in local])
-    bad = all_sum(0 if norms.isfinite().all() else sum((~x.isfinite()).sum() for x in local))
+    # counted where a tensor's norm is not finite (a read each: 12x faster on CPU than counting all;
+    # a norm can overflow where no weight is infinite: then its count is 0)
+    bad = all_sum(sum((~x.isfinite()).sum() for x in local if not x.norm().isfinite()))
     if bad:
         raise RuntimeError(f"{int(bad)} of the policy's weights are not finite after an optimizer "
                            "step: no sampler gets them; the last good checkpoint is intact in "

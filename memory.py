@@ -39,7 +39,8 @@ root group; a block's N_b. "trained": every parameter, or with LoRA only A and B
                    S + L) tokens (a row past the budget is a micro-batch alone). A block, per
                    token: a = 2·((4 + e)·C + 4 + e·C) + e·(2·H·D + 2·K·D + 4·I) + 4·H
                    (each RMSNorm's fp32 input, 1/rms and normalised input, the linears' input, flash
-                   attention's q, k, v, output and fp32 log-sum-exp, the SwiGLU's four [I]), and
+                   attention's q, k, v, output and fp32 log-sum-exp (CUDA's SDPA: model.attention
+                   saves its scores instead on CPU), the SwiGLU's four [I]), and
                    per row its copy of its prompt's and its own keys and values, 2·(S + L)·K·D·e
                    (model.Prefix; no prompt shared in the plan: every row its own); outside the
                    blocks, per token 8 + (4 + e)·C + 4 + 2·D·e (the ids, the final norm, RoPE),

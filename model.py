@@ -46,6 +46,7 @@ PACKED_GEMM = (torch.backends.mkldnn.is_available()
 PACKED_DTYPES = {torch.float32} | ({torch.bfloat16} if PACKED_GEMM
                                    and torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
 PACK_FROM = 2 ** 17  # weights of fewer elements (the CPU demo's) multiply faster unpacked
+PRODUCTS_UPTO = 2 ** 22  # model.attention on CPU: by products up to 4M scores a call (16 MB)
 
 
 @dataclass
@@ -180,6 +181,22 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def attention(q, k, v, bias):
+    """softmax(q kᵀ / √D + bias) v, GQA (q [B, H, T, D], k, v [B, H_kv, S, D], bias [B, 1, T, S]):
+    SDPA; on CPU up to PRODUCTS_UPTO scores, two batched products instead (float32 scores and
+    softmax, then v's dtype), 2-3x faster than SDPA's CPU flash kernel at the trainer's rows of
+    tens of tokens (RESULTS.md §15); the scores, saved for backward, grow as T·S: beyond, SDPA."""
+    B, H, T, D = q.shape
+    K, S = k.shape[1:3]
+    if q.is_cuda or B * H * T * S > PRODUCTS_UPTO:
+        return F.scaled_dot_product_attention(q, k, v, bias, enable_gqa=K < H)
+    f = torch.promote_types(q.dtype, torch.float32)  # query head h reads key head h // (H / K):
+    with torch.autocast("cpu", enabled=False):
+        s = q.to(f).reshape(B, K, H // K * T, D) @ k.to(f).transpose(2, 3) * D ** -0.5
+        p = (s.view(B, K, H // K, T, S) + bias[:, :, None]).softmax(-1).to(v.dtype)
+        return (p.view(B, K, H // K * T, S) @ v).view(B, H, T, D)
+
+
 def padded_causal(start: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, S] bool: query slot t sees key slot s iff s <= t, and s >= start[b] (no pad key)
     or s = t (a pad query sees itself: never NaN). start [B], slots [T], keys [S]."""
@@ -229,7 +246,7 @@ class Prefix:
     def attend(self, q, k, v, o_proj):
         """q [1, H, U·S + n·T, D], k, v [1, H_kv, ., D] -> o_proj(attention) [1, U·S + n·T, C],
         o_proj applied to each part (its input a view of the attention's output, not a copy)."""
-        U, S, n, T, gqa = self.U, self.S, self.n, self.T, k.shape[1] < q.shape[1]
+        U, S, n, T = self.U, self.S, self.n, self.T
         if self.biases is None or self.biases[0].dtype != q.dtype:  # the masks as additive biases:
             # made once a forward, so every layer's attention saves the same two tensors
             self.biases = [torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(
@@ -239,13 +256,13 @@ class Prefix:
             return (x[0, :, :U * S].unflatten(1, (U, S)).transpose(0, 1),
                     x[0, :, U * S:].unflatten(1, (n, T)).transpose(0, 1))
         (qp, qc), (kp, kc), (vp, vc) = split(q), split(k), split(v)
-        y = F.scaled_dot_product_attention(qp, kp, vp, self.biases[0], enable_gqa=gqa)
+        y = attention(qp, kp, vp, self.biases[0])
         y = o_proj(y.transpose(1, 2).reshape(1, U * S, -1))                        # [1, U*S, C]
         if T == 0:  # one-token completions: o_0 comes from the prompt alone
             return y
         # each row over its prompt's keys and values, then its own tokens': [n, h, S + T, D]
         kc, vc = torch.cat([kp[self.rows], kc], 2), torch.cat([vp[self.rows], vc], 2)
-        yc = F.scaled_dot_product_attention(qc, kc, vc, self.biases[1], enable_gqa=gqa)
+        yc = attention(qc, kc, vc, self.biases[1])
         return torch.cat([y, o_proj(yc.transpose(1, 2).reshape(1, n * T, -1))], 1)  # [1, ., C]
 
 

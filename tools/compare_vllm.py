@@ -21,6 +21,7 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python \\
       --ckpt checkpoints/SmolLM2-135M-Instruct --temperatures 0,1 --modes eager,unpacked
+      [--dtype bfloat16]   # both sides in bf16: the SmolLM2 preset's decode on bf16 CPUs
 """
 import argparse
 import json
@@ -37,12 +38,13 @@ from model import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from it
 
 
-def ours(folder, prompts, new, calls, temps, modes):
+def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
     """{mode: fastest seconds per call}, and the first mode's greedy call's tokens. Modes: eager
-    (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear)."""
+    (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear).
+    dtype: the weights' (bfloat16: train.py's cpu_bf16 sampling copy)."""
     from rollout import generate
     from tools.bench import unpacked
-    model = Transformer.from_pretrained(folder).eval()
+    model = Transformer.from_pretrained(folder).to(getattr(torch, dtype)).eval()
     best, toks = {}, None
     for mode, t in [(m, t) for m in modes for t in temps]:
         call = lambda: generate(model, prompts, 1, new, temperature=t, seed=0,  # noqa: E731
@@ -58,9 +60,9 @@ def ours(folder, prompts, new, calls, temps, modes):
     return best, toks
 
 
-def vllm(folder, prompts, new, calls, temps):
+def vllm(folder, prompts, new, calls, temps, dtype="float32"):
     from vllm import LLM, SamplingParams
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32",
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype,
               max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
     best, toks = {}, None
@@ -84,8 +86,8 @@ def child(a):
     torch.set_num_threads(a.threads)
     prompts = json.load(open(a.prompts))
     temps = [float(t) for t in a.temperatures.split(",")]
-    best, toks = (vllm(a.folder, prompts, a.new, a.calls, temps) if a.side == "vllm" else
-                  ours(a.folder, prompts, a.new, a.calls, temps, a.modes.split(",")))
+    best, toks = (vllm(a.folder, prompts, a.new, a.calls, temps, a.dtype) if a.side == "vllm" else
+                  ours(a.folder, prompts, a.new, a.calls, temps, a.modes.split(","), a.dtype))
     print("RESULT " + json.dumps({"best": best, "tokens": toks}))
 
 
@@ -99,6 +101,8 @@ def main():
     p.add_argument("--temperatures", default="0", help="e.g. 0,1: greedy, then sampling at T = 1")
     p.add_argument("--modes", default="eager,compiled",
                    help="ours: eager, compiled, unpacked (eager by plain F.linear), in this order")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="both sides' weights and arithmetic (bfloat16: as train.py's cpu_bf16)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
@@ -138,7 +142,7 @@ def main():
                     cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}",
                            f"--new={a.new}", f"--calls={a.calls}", f"--threads={a.threads}",
                            f"--prompts={tmp}/prompts.json", f"--temperatures={a.temperatures}",
-                           f"--modes={a.modes}"]
+                           f"--modes={a.modes}", f"--dtype={a.dtype}"]
                     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:
@@ -152,12 +156,12 @@ def main():
         ref = lambda k: tps["vllm" + k[k.index(" T="):]  # noqa: E731  vLLM at that T
                             if " T=" in k else "vllm"]
         print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), "
-              f"{a.rows} rows x {a.new} tokens, "
+              f"{a.rows} rows x {a.new} tokens, {a.dtype}, "
               f"{a.threads} threads: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) +
               "; ours / vLLM: " + ", ".join(f"{k[5:]} {v / ref(k):.2f}x" for k, v in tps.items()
                                             if k[:4] != "vllm")
               + f"; rows with the same greedy tokens {same:.0%}")
-        report[size] = {"tok_s": tps, "same_rows": same, "params": n}
+        report[size] = {"tok_s": tps, "same_rows": same, "params": n, "dtype": a.dtype}
     print(json.dumps(report))
 
 

@@ -188,7 +188,7 @@ def attention(q, k, v, bias):
     tens of tokens (RESULTS.md §15); the scores, saved for backward, grow as T·S: beyond, SDPA."""
     B, H, T, D = q.shape
     K, S = k.shape[1:3]
-    if q.is_cuda or B * H * T * S > PRODUCTS_UPTO:
+    if q.device.type != "cpu" or B * H * T * S > PRODUCTS_UPTO:
         return F.scaled_dot_product_attention(q, k, v, bias, enable_gqa=K < H)
     f = torch.promote_types(q.dtype, torch.float32)  # query head h reads key head h // (H / K):
     with torch.autocast("cpu", enabled=False):

@@ -86,15 +86,6 @@ def keep_freed_memory():
     mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: free memory stays in the heap up to 2 GB
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies in bf16 natively (AVX512-BF16 or AMX, oneDNN's check): where
-    train.py's cpu_bf16 = "auto" is on. A torch built without oneDNN: no."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def teardown():
     """Leave together: a rank tearing gloo down while its peer still works can abort."""
     if dist.is_initialized():

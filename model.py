@@ -41,10 +41,20 @@ NOT_CARRIED = ("config.json", "*.safetensors", "*.index.json", "*.bin", "*.pt", 
 # does on CPU): decode's products 1.05-3.5x F.linear's speed on x86 (Transformer.packed)
 PACKED_GEMM = (torch.backends.mkldnn.is_available()
                and torch.backends.cpu.get_cpu_capability().startswith("AVX"))
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies in bf16 natively (AVX512-BF16 or AMX, oneDNN's check): where
+    train.py's cpu_bf16 = "auto" is on and bf16 weights pack. A torch built without oneDNN: no."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # float32 weights; bf16 ones (cpu_bf16's sampling copy) where oneDNN multiplies bf16 natively:
 # 1.1-1.8x at 32 rows, the same bits as F.linear's (RESULTS.md §15)
-PACKED_DTYPES = {torch.float32} | ({torch.bfloat16} if PACKED_GEMM
-                                   and torch.ops.mkldnn._is_mkldnn_bf16_supported() else set())
+PACKED_DTYPES = {torch.float32} | ({torch.bfloat16} if PACKED_GEMM and cpu_has_bf16() else set())
 PACK_FROM = 2 ** 17  # weights of fewer elements (the CPU demo's) multiply faster unpacked
 PRODUCTS_UPTO = 2 ** 22  # model.attention on CPU: by products up to 4M scores a call (16 MB)
 
@@ -182,10 +192,11 @@ def apply_rope(x, cos, sin):
 
 
 def attention(q, k, v, bias):
-    """softmax(q kᵀ / √D + bias) v, GQA (q [B, H, T, D], k, v [B, H_kv, S, D], bias [B, 1, T, S]):
-    SDPA; on CPU up to PRODUCTS_UPTO scores, two batched products instead (float32 scores and
-    softmax, then v's dtype), 2-3x faster than SDPA's CPU flash kernel at the trainer's rows of
-    tens of tokens (RESULTS.md §15); the scores, saved for backward, grow as T·S: beyond, SDPA."""
+    """softmax(q kᵀ / √D + bias) v with GQA (q [B, H, T, D]; k, v [B, H_kv, S, D]; bias
+    [B, 1, T, S]) by SDPA; on CPU up to PRODUCTS_UPTO scores, two batched products instead
+    (float32 scores and softmax, then v's dtype), 2-3x faster than SDPA's CPU flash kernel at the
+    trainer's rows of tens of tokens (RESULTS.md §15); the scores, saved for backward, grow as
+    T·S: beyond, SDPA."""
     B, H, T, D = q.shape
     K, S = k.shape[1:3]
     if q.device.type != "cpu" or B * H * T * S > PRODUCTS_UPTO:

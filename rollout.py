@@ -126,7 +126,7 @@ class HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, temperature, top_k, top_p, chunk):
         logp, ent = h.new_empty(2, len(h), dtype=torch.promote_types(h.dtype, torch.float32))
-        with torch.autocast(h.device.type, enabled=False):  # in w's dtype, as backward
+        with torch.autocast(h.device.type, enabled=False):  # in w's dtype: float32 on CPU
             for i in range(0, len(h), chunk):
                 z = filter_logits(F.linear(h[i:i + chunk], w), temperature, top_k, top_p)  # [c,V]
                 lz = z.log_softmax(-1)

@@ -50,7 +50,7 @@ import templates
 import tooluse
 import verify
 from logger import LAPS, Logger, phase_clock, phase_seconds
-from model import ModelConfig, Transformer, build_char_tokenizer, load_tokenizer
+from model import ModelConfig, Transformer, build_char_tokenizer, cpu_has_bf16, load_tokenizer
 from rollout import FINISH, STOP_NAMES, completion_logprobs, generate, pad_batch
 
 
@@ -125,7 +125,7 @@ def build_run(cfg: Config, adapter: str = "") -> Run:
     and its tokenizer, and the task; completions stop at the checkpoint's eos ids."""
     checks.check(cfg)  # every setting and file first, each mistake one line, before anything loads
     proc = infra.setup(cfg.device, cfg.threads, cfg.collective_timeout)
-    native = infra.cpu_has_bf16()  # AVX512-BF16 or AMX instructions
+    native = cpu_has_bf16()  # AVX512-BF16 or AMX instructions
     cpu_bf16 = cfg.cpu_bf16 == "true" or cfg.cpu_bf16 == "auto" and native
     (rollout.BF16.add if cpu_bf16 else rollout.BF16.discard)("cpu")  # rollout.py's global
     if cfg.cpu_bf16 == "true" and proc.device.type == "cpu" and not native:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import infra
+import model
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,15 +241,15 @@ def test_a_frozen_copy_is_built_without_a_random_init(monkeypatch):
 
 
 def test_cpu_has_bf16_is_false_where_onednn_cannot_say(monkeypatch):
-    """cpu_bf16 = "auto" asks infra.cpu_has_bf16 on every run: oneDNN's answer, and False (float32, no crash) where
+    """cpu_bf16 = "auto" asks model.cpu_has_bf16 on every run: oneDNN's answer, and False (float32, no crash) where
     the torch build has no oneDNN to ask."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert infra.cpu_has_bf16() is True
+    assert model.cpu_has_bf16() is True
 
     def missing():
         raise RuntimeError("no mkldnn in this build")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
-    assert infra.cpu_has_bf16() is False
+    assert model.cpu_has_bf16() is False
 
 
 def test_check_weights_counts_exactly_and_a_norm_that_overflows_is_no_error():

@@ -55,8 +55,8 @@ weight shape and row count, the ratios that set model.PACK_FROM:
 x 64 tokens), --repeats steps each with the packed GEMM off and on, alternating after a warm-up:
   python -m tools.bench --step_packed --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --step_bf16 likewise with train.py's cpu_bf16 off and on (the decode from a bf16 copy of the
-weights; training's layers in bf16 autocast, its LM head in float32), and the mismatch KL between
-the sampler's and the trainer's log-probs:
+weights; training's layers in bf16 autocast, its LM head's forward in float32 and backward in bf16),
+and the mismatch KL between the sampler's and the trainer's log-probs:
   python -m tools.bench --step_bf16 --ckpt checkpoints/SmolLM2-135M-Instruct --threads 2
 --verify instead times verify.reward on a fixed mix of completions (numbers, fractions, LaTeX,
 symbolic answers, long and adversarial texts), one thread, its slowest call on hostile runs

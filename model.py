@@ -316,13 +316,25 @@ class Attention(nn.Module):
         self.v_proj = Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = Linear(H * D, C, bias=cfg.o_bias)
 
+    packed = None  # q, k and v's weights stacked, reordered for oneDNN (Transformer.packed)
+
+    def parts(self):
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x):  # q, k, v [B, T, ·]: one product while packed, else three
+        if self.packed is None or torch.is_grad_enabled():
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = linear(x, None, self.packed_bias, self.packed)
+        return qkv.split((self.H * self.D, self.Hkv * self.D, self.Hkv * self.D), -1)
+
     def forward(self, x, cos, sin, mask, cache, layer):
         B, T, _ = x.shape
         if cache is not None and T == 1:
             return self.decode(x, cos, sin, mask, cache, layer)
-        q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)       # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)     # [B, H_kv, T, D]
-        v = self.v_proj(x).view(B, T, self.Hkv, self.D).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.view(B, T, self.H, self.D).transpose(1, 2)                    # [B, H, T, D]
+        k = k.view(B, T, self.Hkv, self.D).transpose(1, 2)                  # [B, H_kv, T, D]
+        v = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this chunk at slots [n, n+T), attend over every slot written so far
         if cache is not None:
@@ -343,11 +355,11 @@ class Attention(nn.Module):
         head group (beat SDPA on CPU); bf16 scores q·k (training's flash keeps fp32): a
         sampler-trainer gap ~1e-2..1e-1 per token on GPU (logprob_gap_max, tis)."""
         B, Hkv, D, W = x.shape[0], self.Hkv, self.D, bias.shape[-1]
-        q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (self.q_proj(x).view(B, self.H, 1, D),
-                                                             self.k_proj(x).view(B, Hkv, 1, D)))
-        kc, vc = cache.k[layer], cache.v[layer]                             # [B, H_kv, max_len, D]
-        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = (
-            k, self.v_proj(x).view(B, Hkv, 1, D))
+        q, k, v = self.project(x)
+        q, k = (y * cos + y.roll(D // 2, -1) * sin for y in (q.view(B, self.H, 1, D),
+                                                             k.view(B, Hkv, 1, D)))
+        kc, vc = cache.k[layer], cache.v[layer]                             # [B, H_kv, slots, D]
+        kc[:, :, cache.slot.view(1)], vc[:, :, cache.slot.view(1)] = k, v.view(B, Hkv, 1, D)
         kc, vc = (c[:, :, :W].reshape(B * Hkv, W, D) for c in (kc, vc))     # [B·H_kv, W, D], views
         att = torch.baddbmm(bias, q.view(B * Hkv, self.H // Hkv, D), kc.transpose(1, 2),
                             alpha=D ** -0.5)
@@ -362,8 +374,16 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    packed = None  # gate's and up's weights stacked, reordered for oneDNN (Transformer.packed)
+
+    def parts(self):
+        return self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed is None or torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, None, None, self.packed).chunk(2, -1)  # one product
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -380,11 +400,14 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values [B, H_kv, max_len, D] per layer in the compute dtype, filled left to
+    """Preallocated keys/values [B, H_kv, slots, D] per layer in the compute dtype, filled left to
     right at one shared slot (rows are left-padded); `start` [B] is each row's first real slot; `n`
-    counts the filled slots on the host, `slot` on the device. A decode step attends over n + 1
-    slots, or `width` (a static step: no Python int changes per token), masked from (start, slot);
-    RoPE cos/sin per position too. Never a buffer on the module."""
+    counts the filled slots on the host, `slot` on the device. A decode step attends over the whole
+    buffer, its unfilled slots masked: an eager cache (no `width`) is grown to fit (reserve), in
+    doublings, so its K/V stay whole tensors, which the batched products read in place (a slice of
+    them they would copy first, transposed: ~2x the attention's cost, RESULTS.md §15); a static
+    step attends over `width` slots (no Python int changes per token), masked from (start, slot).
+    RoPE cos/sin per position up to max_len. Never a buffer on the module."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32,
                  start=None):
@@ -399,18 +422,39 @@ class KVCache:
 
     def write(self, layer, k, v):  # a chunk at slots [n, n + T): returns the slots written so far
         n, T = self.n, k.shape[2]
+        if self.width is None and layer == 0:
+            self.reserve(n + T)
         self.k[layer][:, :, n:n + T], self.v[layer][:, :, n:n + T] = k, v
         return self.k[layer][:, :, :n + T], self.v[layer][:, :, :n + T]
 
     def index_rows(self, rows: torch.Tensor) -> "KVCache":
         """Keep (or repeat) rows: rows.repeat_interleave(G) shares a prefill by G samples, a subset
-        drops finished rows. Advanced indexing copies, so the result owns its memory."""
+        drops finished rows. A copy, so the result owns its memory (an eager cache: of its filled
+        slots, with room for the next)."""
         new = KVCache.__new__(KVCache)
-        new.k, new.v, new.start = ([k[rows] for k in self.k], [v[rows] for v in self.v],
-                                   self.start[rows])
-        new.n, new.slot, new.width, new.cos, new.sin = (self.n, self.slot.clone(), self.width,
-                                                        self.cos, self.sin)
+        new.start, new.n, new.slot, new.width, new.cos, new.sin = (
+            self.start[rows], self.n, self.slot.clone(), self.width, self.cos, self.sin)
+        new.k, new.v = self.k, self.v
+        new._move(rows, self.k[0].shape[2] if self.width else new._room(self.n + 1))
         return new
+
+    def reserve(self, n: int):
+        """An eager cache holds at least n slots: if it holds fewer, twice as many (up to
+        max_len), the filled ones copied."""
+        if n > self.k[0].shape[2]:
+            self._move(None, self._room(n))
+
+    def _room(self, n):  # slots for n filled ones and the doublings to come
+        return min(len(self.cos), max(n, 2 * self.n, 1))
+
+    def _move(self, rows, slots):  # these rows (None: all) of the filled slots into `slots` slots
+        n = self.n if self.width is None else self.k[0].shape[2]
+
+        def moved(c):
+            out = c.new_zeros((len(self.start), c.shape[1], slots, c.shape[3]))
+            out[:, :, :n] = c[:, :, :n] if rows is None else c[rows, :, :n]
+            return out
+        self.k, self.v = [moved(c) for c in self.k], [moved(c) for c in self.v]
 
 
 class Transformer(nn.Module):
@@ -460,7 +504,9 @@ class Transformer(nn.Module):
             mask = prefix
         # decode: the step's RoPE rows and mask from (start, slot), on the device
         elif cache is not None and T == 1:
-            keys, slot = (torch.arange(cache.width or n0 + 1, device=idx.device),
+            if cache.width is None:  # eager: the whole buffer, grown to fit
+                cache.reserve(n0 + 1)
+            keys, slot = (torch.arange(cache.width or cache.k[0].shape[2], device=idx.device),
                           cache.slot)                                         # [W], 0-d
             cos, sin = (t[(slot - start).clamp(min=0)[:, None, None]]
                         for t in (cache.cos, cache.sin))                      # [B,1,1,D]
@@ -510,19 +556,30 @@ class Transformer(nn.Module):
         FSDP's DTensors); elsewhere, and for smaller weights (faster unpacked), nothing changes. Not
         re-entrant: rollout.generate enters it once a call."""
         out = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        mods = [m for m in self.model.modules() if isinstance(m, Linear)] + [out]
-        mods = [m for m in mods if m.weight.numel() >= PACK_FROM]  # smaller: faster unpacked
-        if not PACKED_GEMM or any(type(m.weight.data) is not torch.Tensor or m.weight.dtype not in
-                                  PACKED_DTYPES or m.weight.device.type != "cpu" for m in mods):
+        # q, k and v (gate and up) as one product of their stacked weights: the same bits as three
+        # (two) (tests/test_model.py), fewer calls, and k/v's small products in a larger one
+        fused = [m for m in self.model.modules() if isinstance(m, (Attention, MLP))
+                 and all(type(p) is Linear for p in m.parts())]
+        inner = {id(p) for m in fused for p in m.parts()}
+        mods = [m for m in self.model.modules() if isinstance(m, Linear) and id(m) not in inner]
+        weight = {m: [p.weight.detach() for p in m.parts()] if m in fused else [m.weight.detach()]
+                  for m in mods + [out] + fused}
+        weight = {m: ws for m, ws in weight.items() if sum(w.numel() for w in ws) >= PACK_FROM}
+        if not PACKED_GEMM or any(type(w) is not torch.Tensor or w.dtype not in PACKED_DTYPES
+                                  or w.device.type != "cpu" for ws in weight.values() for w in ws):
             yield
             return
-        for m in mods:
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 64)
+        for m, ws in weight.items():  # smaller weights stay as they are: faster unpacked
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(ws), 64)
+            if m in fused:
+                biases = [p.bias for p in m.parts()]
+                m.packed_bias = None if biases[0] is None else torch.cat(biases).detach()
         try:
             yield
         finally:  # back as they were (a compiled step's guards see the modules unchanged)
-            for m in mods:
+            for m in weight:
                 del m.packed
+                m.__dict__.pop("packed_bias", None)
 
     # on the weights' device, in their dtype
     def new_cache(self, batch, max_len, start=None) -> KVCache:

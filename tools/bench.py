@@ -786,6 +786,7 @@ def parser() -> argparse.ArgumentParser:
 def main():
     args = parser().parse_args()
     torch.set_num_threads(1 if args.verify and not args.logprobs else args.threads)
+    infra.keep_freed_memory()  # as train.py's CPU runs: freed large blocks reused (every side here)
     if args.logprobs and args.method:  # one method, in a child process of logprobs_side_by_side
         return bench_logprobs(args.method, args.vocab)
     if args.logprobs or args.verify:

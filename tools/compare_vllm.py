@@ -42,8 +42,10 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
     """{mode: fastest seconds per call}, and the first mode's greedy call's tokens. Modes: eager
     (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear).
     dtype: the weights' (bfloat16: train.py's cpu_bf16 sampling copy)."""
+    from infra import keep_freed_memory
     from rollout import generate
     from tools.bench import unpacked
+    keep_freed_memory()  # as train.py's CPU runs do: freed logits blocks reused, not page-faulted
     model = Transformer.from_pretrained(folder).to(getattr(torch, dtype)).eval()
     best, toks = {}, None
     for mode, t in [(m, t) for m in modes for t in temps]:

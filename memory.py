@@ -232,8 +232,11 @@ def logits_bytes(mc: ModelConfig, M: int, elt: int, device: str = "cuda",
     c = min(max(1, rollout.LOGITS_PER_CHUNK.get(device, 2 ** 23) // V), M) * V
     upcast, tempered = 4 * (elt < 4), 4 * (temperature != 1)  # filter_logits' fp32 copy, z / T
     forward = c * max(16, 8 + elt + upcast + tempered)
-    block = max(12 + elt, 4 + 2 * elt + upcast + tempered)  # this chunk's and the last one's
-    backward = 4 * V * C + elt * C * M + max(block * c, (4 + elt) * c + elt * V * C)
+    # the last chunk's z (fp32) and gradient (elt) alive while this one's logits are filtered, or
+    # while its z, softmax and (elt < 4) gradient are made
+    block = max(8 + elt + elt * (elt < 4), 4 + 2 * elt + upcast + tempered)
+    # + the head gradient's chunk product, unless it adds in place (elt = 4: addmm_)
+    backward = 4 * V * C + elt * C * M + max(block * c, (4 + elt) * c + elt * V * C * (elt < 4))
     return max(forward, backward)
 
 

@@ -550,7 +550,8 @@ class Transformer(nn.Module):
     def packed(self):
         """Within: each Linear and the LM head of >= PACK_FROM weights multiply, without autograd,
         by a copy of its weight that oneDNN reordered here (so this moment's weights; ~0.25 s and
-        0.5 GB at 135M, freed on exit): decode 1.3-1.5x faster at 135M (RESULTS.md §15). One
+        0.5 GB at 135M, freed on exit): decode 1.3-1.5x faster at 135M (RESULTS.md §15); a block's
+        q, k, v and its gate, up as one product each, of their stacked weights. One
         layout, oneDNN's for 64 rows, at any row count (as fast at 8-512 rows): a row's products
         are the same in any batch. Only CPU tensors of PACKED_DTYPES where PACKED_GEMM holds (not
         FSDP's DTensors); elsewhere, and for smaller weights (faster unpacked), nothing changes. Not

@@ -31,9 +31,10 @@ ARGS = ["--config", SMOKE, "--threads=1", "--sft_steps=3", "--rl_steps=4", "--ov
         "--eval_n=8", "--ckpt_every=100", "--async_timeout=60"]  # overlong shaping: every group has reward spread
 
 
-def records(out_dir):
+def records(out_dir, live=False):
+    """metrics.jsonl's records; live (polling a running trainer): a last line still being written is not one yet."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f]
+        return [json.loads(ln) for ln in f if ln.endswith("\n") or not live]
 
 
 def launch(args, nproc, **kw):
@@ -122,7 +123,7 @@ def test_a_killed_side_stops_the_other_with_an_error_naming_it(tmp_path, victim,
     procs = [spawn(r, args, port) for r in (0, 1)]
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(out / "metrics.jsonl") and
-                                          any(r["stage"] == "rl" for r in records(out))):
+                                          any(r["stage"] == "rl" for r in records(out, live=True))):
         assert all(p.poll() is None for p in procs), procs[0].communicate()[0][-3000:]
         time.sleep(0.05)
     procs[victim].send_signal(signal.SIGKILL)
@@ -144,7 +145,7 @@ def test_killed_async_run_resumes_exactly(tmp_path, K, in_flight):
     p = launch(args + [f"--out_dir={out}"], 2, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:  # kill every process once step 7 is logged (checkpoint: 5)
-        if os.path.exists(out / "step_5") and any(r["step"] >= 7 for r in records(out)):
+        if os.path.exists(out / "step_5") and any(r["step"] >= 7 for r in records(out, live=True)):
             os.killpg(p.pid, signal.SIGKILL)
             break
         time.sleep(0.02)

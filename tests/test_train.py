@@ -31,9 +31,10 @@ SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def records(out_dir):
+def records(out_dir, live=False):
+    """metrics.jsonl's records; live (polling a running trainer): a last line still being written is not one yet."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f]
+        return [json.loads(ln) for ln in f if ln.endswith("\n") or not live]
 
 
 def deterministic(recs):  # timings differ from run to run; everything else must not
@@ -339,7 +340,7 @@ def test_killed_run_resumes_exactly(tmp_path):
                          cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:  # kill once step 7 is logged (checkpoint at step 6)
-        if os.path.exists(out / "step_6") and any(r["step"] >= 7 for r in records(out)):
+        if os.path.exists(out / "step_6") and any(r["step"] >= 7 for r in records(out, live=True)):
             p.send_signal(signal.SIGKILL)
             break
         time.sleep(0.02)

@@ -146,9 +146,9 @@ class HeadLogProbs(torch.autograd.Function):
         gh, gw = torch.empty_like(h), torch.zeros_like(w, dtype=g.dtype)    # gw summed in float32+
         for i in range(0, len(h), chunk):
             z = filter_logits(F.linear(hi := h[i:i + chunk].to(wc), wc), temperature, top_k, top_p)
-            gi = g[i:i + chunk, None] / (temperature if temperature > 0 else 1)  # ∂z/∂logits: 1/T
-            gz = z.softmax(-1).mul_(-gi).scatter_add_(-1, targets[i:i + chunk, None],  # (onehot − π)
-                                                      gi).to(wc.dtype)  # · g/T, summed in float32
+            gi = g[i:i + chunk, None] / (temperature if temperature > 0 else 1)  # dz/dlogits: 1/T
+            gz = z.softmax(-1).mul_(-gi).scatter_add_(  # (onehot - pi) g/T, then in wc's dtype
+                -1, targets[i:i + chunk, None], gi).to(wc.dtype)  # (gw sums in float32)
             gh[i:i + chunk] = gz @ wc  # and gw in place where it can (no [V, C] product: 1.8x)
             gw.addmm_(gz.T, hi) if gw.dtype == gz.dtype else gw.add_(gz.T @ hi)
         return gh, gw.to(w.dtype), None, None, None, None, None

@@ -62,6 +62,13 @@ FAMILIES = {  # special tokens (the tokenizer's eos marked), generation eos ids,
 }
 
 
+def records(out_dir, live=False) -> list[dict]:
+    """An out_dir's metrics.jsonl records; live (polling a running trainer): a last line still being written is
+    not one yet."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.endswith("\n") or not live]
+
+
 def build_folder(path, family="qwen", dtype=torch.float32, chat_template=True, base=False) -> str:
     """A random Qwen2 ("qwen") or Llama ("llama") checkpoint as the Hub ships an Instruct model: a byte-level BPE
     (Qwen's pre-tokenizer) trained on the GSM8K lines, the family's special tokens after it, tokenizer_config.json

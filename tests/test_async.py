@@ -2,7 +2,6 @@
 1 rank; 1 sampler + 2 trainers vs 2 ranks), K = 1 trains on rollouts exactly one version old, a killed side stops
 the other with an error naming it, and a run killed with -9 at K = 1 resumes to the uninterrupted run's weights."""
 import io
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from conftest import records
+
 import async_rl
 import infra
 import train
@@ -29,12 +30,6 @@ SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 ARGS = ["--config", SMOKE, "--threads=1", "--sft_steps=3", "--rl_steps=4", "--overlong_buffer=20", "--eval_every=100",
         "--eval_n=8", "--ckpt_every=100", "--async_timeout=60"]  # overlong shaping: every group has reward spread
-
-
-def records(out_dir, live=False):
-    """metrics.jsonl's records; live (polling a running trainer): a last line still being written is not one yet."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f if ln.endswith("\n") or not live]
 
 
 def launch(args, nproc, **kw):

@@ -2,13 +2,14 @@
 memory.resolve): each decoder block rerun in backward, not its activations kept; the same loss and
 gradients, bit for bit, on one process and under 2-rank FSDP2; the saved activations shrink;
 sampling never recomputes."""
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from conftest import records
 
 import infra
 import model
@@ -129,11 +130,6 @@ def test_checkpointing_shrinks_the_saved_activations():
     on = saved_bytes(m)
     print(f"saved activations, 4 blocks: off {off} B, on {on} B ({on / off:.3f})")
     assert on < off / 3, (on, off)
-
-
-def records(out_dir):  # tests/test_train.py's
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f]
 
 
 def deterministic(recs):  # timings differ from run to run; everything else must not

@@ -1,7 +1,6 @@
 """distill.py: on-policy distillation's per-token advantage (hand values, the gradient against a float64 loop), the
 exact full-vocabulary KL, and train.py runs with a teacher (micro-batch and rank invariance, a teacher equal to the
 student gives no gradient, a teacher with another tokenizer is refused)."""
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import records
 
 import checks
 import distill
@@ -33,11 +34,6 @@ def smoke_folder(path, seed: int, chars: str = tasks.CHARS) -> str:
     Transformer(ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
                             intermediate_size=64, max_seq_len=64)).save_pretrained(str(path), tokenizer=tok)
     return str(path)
-
-
-def records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f]
 
 
 def rl_records(out_dir):

@@ -1,6 +1,5 @@
 """star.py: hint format, the verifier filter (dedup, cap, format), rationalisation with controlled outcomes, the
 hint never reaching a training example, seeded batches, and an end-to-end STaR / RFT run on a micro model."""
-import json
 import os
 import re
 import subprocess
@@ -10,12 +9,14 @@ from collections import Counter
 import pytest
 from safetensors.torch import load_file
 
+from conftest import records
+from test_distill import hashes_then
+
 import checks
 import star
 import tasks
 import train
 from cli import UserError
-from test_distill import hashes_then
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
@@ -25,11 +26,6 @@ MICRO = ["--config", SMOKE, "--threads=1", "--sft_steps=60", "--sft_lr=2e-2", "-
          "--sft_min_ops=1", "--rl_min_ops=1", "--eval_min_ops=1", "--sft_direct_frac=0", "--sft_flaw_frac=0",
          "--ops=+-*", "--rl_max_ops=1", "--eval_max_ops=1", "--train_size=8", "--expert_iters=2", "--expert_samples=8",
          "--expert_sft_steps=2", "--eval_n=8", "--eval_k=2", "--hint_sft_frac=0.5"]
-
-
-def records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f]
 
 
 def parse(args):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import records
+
 import checks
 import decode
 import grpo
@@ -29,12 +31,6 @@ from model import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "configs", "smoke.toml")
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def records(out_dir, live=False):
-    """metrics.jsonl's records; live (polling a running trainer): a last line still being written is not one yet."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f if ln.endswith("\n") or not live]
 
 
 def deterministic(recs):  # timings differ from run to run; everything else must not

@@ -36,7 +36,6 @@ records log_softmax(raw logits) at it; top_k/top_p do not apply.
 """
 import argparse
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +52,9 @@ COMPACT_AT = 0.75  # eager: compact at 3/4 of the batch's live rows (RESULTS.md 
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (< 8 steps wasted)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buffers < 2 x 512 rows)
-WIDTH_STEP = {"cuda": 128}  # static: attention reads the filled slots rounded up (a graph a width)
+# static: attention reads the filled slots rounded up (a graph a width); elsewhere (CPU: no CUDA
+# graphs) the whole cache, whose K/V the batched products read without the copy a slice costs
+WIDTH_STEP = {"cuda": 128}
 # completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
 LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
 # completion_forward in bf16 autocast (fp32 weights and gradients): CUDA; CPU with cpu_bf16 (whose
@@ -251,7 +252,7 @@ def generate(model, prompts, num_samples, max_new_tokens, temperature=1.0, top_k
     # step 3's uniforms up front, one per (row, position), whatever batch a row is in
     noise = uniform(mix64(seeds[:, None] + torch.arange(1, L + 1, device=dev) * MIX1))   # [N, L]
     static = decode.STATIC_BY_DEFAULT.get(dev.type, False) if static is None else static
-    with nullcontext() if static else model.packed():  # CPU: the weights packed for oneDNN
+    with model.packed():  # CPU: the weights packed for oneDNN (CUDA: as they are)
         if static or tools is not None:
             return generate_decoder(model, prompts, G, L, (temperature, top_k, top_p, pad_id),
                                     stop_ids, seeds, noise, tools, static)
@@ -311,8 +312,8 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                                   seeds[i * G:(i + k) * G], noise[i * G:(i + k) * G], tools, static)
                  for i in range(0, P, k)]
         return _cat(parts, pad_id)
-    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
-    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
+    chunk = WIDTH_STEP.get(dev.type, 0) if static else 1  # 0: the whole cache
+    W = -(-(S + L) // max(chunk, 1)) * max(chunk, 1)  # cache slots (static: in whole chunks)
     # a static call runs in power-of-two batches B <= B0, in buffers of one capacity (slots, L,
     # rows) per model, the largest call's so far; a slot more than any width (a width of the whole
     # cache: another graph, its K/V slices contiguous)
@@ -357,7 +358,7 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                          d.noise[sel, :L], d.queue[sel, :L], d.qpos[sel], d.qlen[sel])
                 d = batch(model, d.cache, sel, state, d.t, fixed, static)
         if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
-            d.cache.width = min(W, -(-(S + t) // chunk) * chunk)
+            d.cache.width = min(W, -(-(S + t) // chunk) * chunk) if chunk else d.cache.k[0].shape[2]
         step_fn(model, d)                                                             # 3-4. token t
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token

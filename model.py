@@ -296,21 +296,23 @@ def linear(x, w, b=None, packed=None):
     """x wᵀ + b; without autograd and with `packed` (w as oneDNN reordered it), by that copy."""
     if packed is None or torch.is_grad_enabled():
         return F.linear(x, w, b)
-    if torch.compiler.is_compiling():  # the compiled decode step (decode.compiled_step)
-        return packed_linear(x, packed, b)
+    if torch.compiler.is_compiling():  # the compiled decode step's trace (define_packed_linear)
+        return torch.ops.grpo.packed_linear(x, packed, b)
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
-@torch.library.custom_op("grpo::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """linear's packed product as an op torch.compile calls as it is: inductor lowers oneDNN's
-    own op only for weights it froze into the graph, and these change every RL step."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+def define_packed_linear():
+    """The op grpo::packed_linear (once): linear's packed product as an op torch.compile calls as it
+    is (inductor lowers oneDNN's own op only for weights frozen into the graph; these change every
+    RL step). Defined by generate's compiled calls, not at import: torch.library imports
+    torch._dynamo, after which glibc's heap stops reusing freed large blocks (infra.py)."""
+    if hasattr(torch.ops.grpo, "packed_linear"):
+        return
 
-
-@packed_linear.register_fake
-def _(x, packed, b):
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
+    @torch.library.custom_op("grpo::packed_linear", mutates_args=())
+    def op(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    op.register_fake(lambda x, packed, b: x.new_empty(*x.shape[:-1], packed.shape[0]))
 
 
 class Linear(nn.Linear):

@@ -78,23 +78,31 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
 @pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
 def test_the_compiled_cpu_step_multiplies_by_the_packed_weights(monkeypatch):
     """generate(static=True) on CPU: the compiled step runs every product on oneDNN's packed weights (the custom op
-    model.packed_linear: inductor lowers oneDNN's own op only for weights frozen into the graph), over the whole
-    cache; the same tokens as the eager loop, log-probs within float32 fusion rounding. Before: static calls ran
+    grpo::packed_linear, model.define_packed_linear: inductor lowers oneDNN's own op only for weights frozen into the graph), over the whole
+    cache; the same tokens as the eager loop, log-probs within float32 fusion rounding, and again after the
+    weights change (one graph: a call's new packed copies recompile nothing). Before: static calls ran
     unpacked (plain F.linear), 1.3-1.4x slower at SmolLM2's shape."""
     monkeypatch.setattr(model, "PACK_FROM", 1)  # the tiny model's weights pack as a real model's do
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     m = tiny()
     prompts, kw = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 3, 8]], dict(stop_ids=STOP, seed=3, temperature=1.0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = generate(m, prompts, 4, 9, static=True, **kw)
     calls = {e.key: e.count for e in prof.key_averages()}
-    torch._dynamo.reset()
     n_products = 4 * len(m.model.layers) + 1  # q/k/v, o, gate/up, down; the head
     assert calls.get("grpo::packed_linear", 0) >= 8 * n_products, calls.get("grpo::packed_linear")  # 8 steps
     assert "aten::linear" not in calls and "aten::mm" not in calls
     want = generate(m, prompts, 4, 9, static=False, **kw)
     assert torch.equal(got.completion_ids, want.completion_ids) and torch.equal(got.lengths, want.lengths)
     assert (got.logprobs - want.logprobs).abs().max() < 2e-5
+    with torch.no_grad():  # an optimizer step: the next call packs the new weights, in the same graph
+        for p in m.parameters():
+            p.add_(torch.randn_like(p), alpha=0.3)
+    got, want = (generate(m, prompts, 4, 9, static=static, **kw) for static in (True, False))
+    assert torch.equal(got.completion_ids, want.completion_ids) and (got.logprobs - want.logprobs).abs().max() < 2e-5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_a_nan_row_of_logits_samples_an_in_range_token(monkeypatch):

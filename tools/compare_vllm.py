@@ -13,7 +13,9 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
      compile, ~20 s, and our first call are left out), then --calls timed calls of R rows x --new
      tokens, greedy, no EOS (vLLM ignore_eos and min_tokens; ours without stop ids); ours in each
      of --modes: eager (the CPU default), compiled (generate(static=True), after its compile),
-     unpacked (eager by plain F.linear, as before model.Transformer.packed);
+     unpacked (eager by plain F.linear, as before model.Transformer.packed); in a process, every
+     setting's warm-up first, then their timed calls in turns (timed one setting after another,
+     the first was up to 8% slower on this project's host, whichever it was);
   3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of
      rows whose greedy tokens agree (random weights have near-ties: float32 sums in another order
      may flip one).
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -47,15 +50,16 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
     from tools.bench import unpacked
     keep_freed_memory()  # as train.py's CPU runs do: freed logits blocks reused, not page-faulted
     model = Transformer.from_pretrained(folder).to(getattr(torch, dtype)).eval()
-    best, toks = {}, None
+    best, toks, runs = {}, None, {}
     for mode, t in [(m, t) for m in modes for t in temps]:
-        call = lambda: generate(model, prompts, 1, new, temperature=t, seed=0,  # noqa: E731
-                                static=mode == "compiled")
-        run = (lambda: unpacked(call)) if mode == "unpacked" else call  # noqa: E731
+        call = partial(generate, model, prompts, 1, new, temperature=t, seed=0,
+                       static=mode == "compiled")
+        run = partial(unpacked, call) if mode == "unpacked" else call
         first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
-        toks = toks or first
-        name = f"ours {mode}" + ("" if t == 0 else f" T={t:g}")
-        for _ in range(calls):
+        toks = first if toks is None and t == 0 else toks  # greedy tokens, for the agreement
+        runs[f"ours {mode}" + ("" if t == 0 else f" T={t:g}")] = run
+    for _ in range(calls):  # the timed calls in turns: the first setting timed is not favoured
+        for name, run in runs.items():
             t0 = time.perf_counter()
             run()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
@@ -67,20 +71,22 @@ def vllm(folder, prompts, new, calls, temps, dtype="float32"):
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype,
               max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
-    best, toks = {}, None
+    best, toks, runs = {}, None, {}
     for t in temps:
         params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True,
                                 detokenize=False)
-        run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,  # noqa
-                                   use_tqdm=False)
+        run = partial(llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
+                      use_tqdm=False)
         # warm-up (after the compile in LLM())
         first = [list(o.outputs[0].token_ids) for o in run()]
-        toks, name = toks or first, "vllm" + ("" if t == 0 else f" T={t:g}")
-        for _ in range(calls):
+        toks = first if toks is None and t == 0 else toks
+        runs["vllm" + ("" if t == 0 else f" T={t:g}")] = run
+    for _ in range(calls):  # in turns, as ours
+        for name, run in runs.items():
             t0 = time.perf_counter()
             out = run()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-        assert all(len(o.outputs[0].token_ids) == new for o in out)
+            assert all(len(o.outputs[0].token_ids) == new for o in out)
     return best, toks
 
 
@@ -154,7 +160,8 @@ def main():
                     for k, v in out["best"].items():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
-        same = sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
+        same = (sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
+                if toks["ours"] and toks["vllm"] else float("nan"))  # nan: no greedy call
         ref = lambda k: tps["vllm" + k[k.index(" T="):]  # noqa: E731  vLLM at that T
                             if " T=" in k else "vllm"]
         print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), "

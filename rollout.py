@@ -312,8 +312,9 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                                   seeds[i * G:(i + k) * G], noise[i * G:(i + k) * G], tools, static)
                  for i in range(0, P, k)]
         return _cat(parts, pad_id)
-    chunk = WIDTH_STEP.get(dev.type, 0) if static else 1  # 0: the whole cache
-    W = -(-(S + L) // max(chunk, 1)) * max(chunk, 1)  # cache slots (static: in whole chunks)
+    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
+    whole = static and dev.type not in WIDTH_STEP  # CPU: a step reads the whole cache
+    W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
     # a static call runs in power-of-two batches B <= B0, in buffers of one capacity (slots, L,
     # rows) per model, the largest call's so far; a slot more than any width (a width of the whole
     # cache: another graph, its K/V slices contiguous)
@@ -359,8 +360,8 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                 state = (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
                          d.noise[sel, :L], d.queue[sel, :L], d.qpos[sel], d.qlen[sel])
                 d = batch(model, d.cache, sel, state, d.t, fixed, static)
-        if static:  # attend over the filled slots rounded up to a chunk: a graph per (batch, width)
-            d.cache.width = min(W, -(-(S + t) // chunk) * chunk) if chunk else d.cache.k[0].shape[2]
+        if static:  # the filled slots rounded up to a chunk (a graph per (batch, width)), or all
+            d.cache.width = d.cache.k[0].shape[2] if whole else min(W, -(-(S + t) // chunk) * chunk)
         step_fn(model, d)                                                             # 3-4. token t
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token

@@ -78,10 +78,10 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
 @pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
 def test_the_compiled_cpu_step_multiplies_by_the_packed_weights(monkeypatch):
     """generate(static=True) on CPU: the compiled step runs every product on oneDNN's packed weights (the custom op
-    grpo::packed_linear, model.define_packed_linear: inductor lowers oneDNN's own op only for weights frozen into the graph), over the whole
-    cache; the same tokens as the eager loop, log-probs within float32 fusion rounding, and again after the
-    weights change (one graph: a call's new packed copies recompile nothing). Before: static calls ran
-    unpacked (plain F.linear), 1.3-1.4x slower at SmolLM2's shape."""
+    grpo::packed_linear, model.define_packed_linear: inductor lowers oneDNN's own op only for weights frozen into
+    the graph), over the whole cache; the same tokens as the eager loop, log-probs within float32 fusion rounding,
+    and again after the weights change (one graph: a call's new packed copies recompile nothing). Before: static
+    calls ran unpacked (plain F.linear), 1.3-1.4x slower at SmolLM2's shape."""
     monkeypatch.setattr(model, "PACK_FROM", 1)  # the tiny model's weights pack as a real model's do
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

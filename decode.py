@@ -164,6 +164,10 @@ _COMPILED = {}                      # device type -> the compiled step
 # train.py plans CPU_COMPILE_RL_STEPS untimed RL steps (infra.compiled_sampling): a compile pays
 # after ~450-1,000 calls of one setting there (the demo, 20M; RESULTS.md §8).
 STATIC_BY_DEFAULT = {"cuda": True}
+# device types whose static K/V are views at the step's width (set_width): the batched products read
+# a whole tensor in place, where a slice of a wider buffer they copy first (~1.5x the attention's
+# time on CPU, RESULTS.md §15); CUDA graphs read the whole buffers at fixed addresses
+VIEWS = {"cpu"}
 CPU_COMPILE_RL_STEPS = 1000
 _FX = torch.fx.experimental._config  # without duck sizing, 64 rows = head_dim is no special case
 NO_DUCK = _FX.patch(use_duck_shape=False) if hasattr(_FX, "use_duck_shape") else nullcontext()
@@ -241,17 +245,35 @@ def batch(model, cache, sel: torch.Tensor, state: tuple, t: torch.Tensor, fixed:
     slots, L, _ = _CAP[model]
 
     def make():  # at the capacity: [B, L] noise and queue, a cache of `slots`
-        z, B = torch.zeros_like, len(sel)
-        return Decoder(model.new_cache(B, slots), z(tok), z(live), z(rows), noise.new_zeros(B, L),
-                       z(t), queue.new_zeros(B, L), z(qpos), z(qlen), z(live),
-                       **dict.fromkeys(fixed))
+        z, B, kv = torch.zeros_like, len(sel), model.new_cache(len(sel), slots)
+        kv.buffers = kv.k, kv.v  # set_width's
+        return Decoder(kv, z(tok), z(live), z(rows), noise.new_zeros(B, L), z(t),
+                       queue.new_zeros(B, L), z(qpos), z(qlen), z(live), **dict.fromkeys(fixed))
     b = persistent(model, len(sel), make)
+    set_width(b.cache, cache.width, move=False)
     for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):  # the kept rows' K/V, per layer
-        torch.index_select(src, 0, sel, out=dst)
+        torch.index_select(src[:, :, :dst.shape[2]], 0, sel, out=dst)
     copies = ((b.cache.start, cache.start[sel]), (b.cache.slot, cache.slot), (b.tok, tok),
               (b.live, live), (b.rows, rows), (b.t, t), (b.qpos, qpos), (b.qlen, qlen))
     for dst, src in copies:
         dst.copy_(src)
     b.noise[:, :noise.shape[1]], b.queue[:, :queue.shape[1]] = noise, queue
-    b.cache.width = cache.width
     return dataclasses.replace(b, **fixed)
+
+
+def set_width(cache, width: int, move=True):
+    """A static cache's step reads `width` slots. On a device type in VIEWS its K/V become
+    contiguous [B, H_kv, width, D] views of the first elements of its buffers (the filled slots
+    moved there if `move`); elsewhere they stay the whole buffers, of which a step reads a slice."""
+    old, cache.width = cache.k[0].shape[2], width
+    if cache.k[0].device.type not in VIEWS or width == old:
+        return
+    n, (B, H, _, D) = min(old, width), cache.buffers[0][0].shape
+
+    def view(c, buf):  # c's first n slots, cloned first: the two views share their memory
+        new = buf.view(-1)[:B * H * width * D].view(B, H, width, D)
+        if move:
+            new[:, :, :n] = c[:, :, :n].clone()
+        return new
+    cache.k, cache.v = ([view(c, buf) for c, buf in zip(cs, bufs)]
+                        for cs, bufs in zip((cache.k, cache.v), cache.buffers))

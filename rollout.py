@@ -52,9 +52,9 @@ COMPACT_AT = 0.75  # eager: compact at 3/4 of the batch's live rows (RESULTS.md 
 CHECK_EVERY = 8    # static decoding: the host reads live.any() every 8 steps (< 8 steps wasted)
 MIN_BUCKET = 8     # static decoding: batches halve while the live rows fit, down to 8 rows
 MAX_ROWS = 512     # static: a larger call runs in chunks of whole prompts (buffers < 2 x 512 rows)
-# static: attention reads the filled slots rounded up (a graph a width); elsewhere (CPU: no CUDA
-# graphs) the whole cache, whose K/V the batched products read without the copy a slice costs
-WIDTH_STEP = {"cuda": 128}
+# static: attention reads the filled slots rounded up to these many (CUDA: a graph a width; CPU:
+# the K/V re-laid as views of that width, decode.set_width)
+WIDTH_STEP = {"cuda": 128, "cpu": 32}
 # completion_forward's LM-head blocks, in logits: 2^23 (32 MB) on CPU (RESULTS.md §4, constants)
 LOGITS_PER_CHUNK = {"cuda": 2 ** 26}
 # completion_forward in bf16 autocast (fp32 weights and gradients): CUDA; CPU with cpu_bf16 (whose
@@ -312,8 +312,7 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                                   seeds[i * G:(i + k) * G], noise[i * G:(i + k) * G], tools, static)
                  for i in range(0, P, k)]
         return _cat(parts, pad_id)
-    chunk = WIDTH_STEP.get(dev.type, 1) if static else 1
-    whole = static and dev.type not in WIDTH_STEP  # CPU: a step reads the whole cache
+    chunk = WIDTH_STEP.get(dev.type, 128) if static else 1
     W = -(-(S + L) // chunk) * chunk  # cache slots (static: in whole chunks)
     # a static call runs in power-of-two batches B <= B0, in buffers of one capacity (slots, L,
     # rows) per model, the largest call's so far; a slot more than any width (a width of the whole
@@ -321,7 +320,7 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
     B = max(MIN_BUCKET, 1 << (N - 1).bit_length()) if static else N
     W, Lc, R = decode.reserve(model, W + 1, L, B) if static else (W, L, N)
     cache, logits = prefill(model, prompts, W, pad_id)                                  # [P, V]
-    cache.width = W if static else None
+    cache.width = min(W, -(-(S + 1) // chunk) * chunk) if static else None
     rows = torch.arange(B, device=dev).clamp(max=N)                # [B] output row (N: padding)
     group = rows.clamp(max=N - 1) // G                              # [B] prompt of a row
     out = decode.persistent(model, "out", lambda: Outputs.new(R + 1, Lc, pad_id, dev)) if static \
@@ -360,8 +359,8 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
                 state = (d.tok[sel], d.live[sel] & ~pad, d.rows[sel].masked_fill(pad, N),
                          d.noise[sel, :L], d.queue[sel, :L], d.qpos[sel], d.qlen[sel])
                 d = batch(model, d.cache, sel, state, d.t, fixed, static)
-        if static:  # the filled slots rounded up to a chunk (a graph per (batch, width)), or all
-            d.cache.width = d.cache.k[0].shape[2] if whole else min(W, -(-(S + t) // chunk) * chunk)
+        if static:  # the filled slots rounded up to a chunk
+            decode.set_width(d.cache, min(W, -(-(S + t) // chunk) * chunk))
         step_fn(model, d)                                                             # 3-4. token t
     live = torch.zeros(N + 1, dtype=torch.bool, device=dev)  # row N: the padding rows', dropped
     live = live.index_put_((d.rows,), d.live)[:N]             # [N] still live: no stop token

@@ -49,7 +49,7 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: static_address(t, guard=guard))
     monkeypatch.setattr(rollout, "MAX_ROWS", 64)
     monkeypatch.setattr(rollout, "CHECK_EVERY", 2)
-    monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})  # widths in chunks as on CUDA: the last = the whole cache
+    monkeypatch.setattr(rollout, "WIDTH_STEP", {"cpu": 8})  # K/V re-laid every 8 slots (decode.set_width)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch._dynamo.utils.compilation_time_metrics.clear()
@@ -75,11 +75,30 @@ def test_static_calls_of_varying_batch_sizes_keep_frames_and_buffers_bounded(mon
     assert largest == 64 and decode.held_rows(m) <= chain(64) == 120
 
 
+def test_a_wider_static_cpu_cache_keeps_its_filled_slots_in_contiguous_views_of_its_buffers():
+    """decode.set_width on CPU: the K/V become [B, H_kv, width, D] views of the first elements of the buffers (read
+    in place by the batched products), the filled slots moved when it grows; move=False (a batch about to be copied
+    in) keeps the views' shape only."""
+    m = tiny()
+    cache = m.new_cache(3, 40)
+    cache.buffers = cache.k, cache.v
+    decode.set_width(cache, 8, move=False)
+    filled = [torch.randn(3, 2, 5, 8) for _ in cache.k + cache.v]
+    for c, x in zip(cache.k + cache.v, filled):
+        c[:, :, :5] = x
+    for width in (16, 40):
+        decode.set_width(cache, width)
+        assert cache.width == width
+        for c, buf, x in zip(cache.k + cache.v, cache.buffers[0] + cache.buffers[1], filled):
+            assert c.shape == (3, 2, width, 8) and c.is_contiguous() and c.data_ptr() == buf.data_ptr()
+            assert torch.equal(c[:, :, :5], x)
+
+
 @pytest.mark.skipif(not model.PACKED_GEMM, reason="oneDNN's packed GEMM: x86 CPUs")
 def test_the_compiled_cpu_step_multiplies_by_the_packed_weights(monkeypatch):
     """generate(static=True) on CPU: the compiled step runs every product on oneDNN's packed weights (the custom op
     grpo::packed_linear, model.define_packed_linear: inductor lowers oneDNN's own op only for weights frozen into
-    the graph), over the whole cache; the same tokens as the eager loop, log-probs within float32 fusion rounding,
+    the graph); the same tokens as the eager loop, log-probs within float32 fusion rounding,
     and again after the weights change (one graph: a call's new packed copies recompile nothing). Before: static
     calls ran unpacked (plain F.linear), 1.3-1.4x slower at SmolLM2's shape."""
     monkeypatch.setattr(model, "PACK_FROM", 1)  # the tiny model's weights pack as a real model's do

@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from model import define_packed_linear
+
 CDF_BLOCK = 1024  # the two-level inverse CDF's block: 148 blocks and a tail of a 151,936 vocabulary
 # device -> larger vocabularies search the CDF in two levels (CPU: never; one cumsum was faster)
 TWO_LEVEL_ABOVE = {"cuda": 8192}
@@ -178,6 +180,7 @@ def compiled_step(device_type: str):
     (dynamic), so a new batch size or width needs no recompile; on CUDA replayed as CUDA graphs
     ("reduce-overhead"), one per shape. Without duck sizing: a frame per sampling setting."""
     if device_type not in _COMPILED:
+        define_packed_linear()  # the packed products' op in the trace (model.linear)
         mode = "reduce-overhead" if device_type == "cuda" else None
         fn = torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
 

@@ -304,7 +304,7 @@ def linear(x, w, b=None, packed=None):
 def define_packed_linear():
     """The op grpo::packed_linear (once): linear's packed product as an op torch.compile calls as it
     is (inductor lowers oneDNN's own op only for weights frozen into the graph; these change every
-    RL step). Defined by generate's compiled calls, not at import: torch.library's fake-tensor
+    RL step). Defined by decode.compiled_step, not at import: torch.library's fake-tensor
     registration imports torch._dynamo, after which glibc's heap stops reusing freed large blocks
     (infra.py). A plain Library kernel: ~1 us a call, where torch.library.custom_op's ~13 us."""
     if hasattr(torch.ops.grpo, "packed_linear"):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import decode
 from decode import Outputs, batch, compiled_step, filter_logits, record
-from model import Prefix, define_packed_linear
+from model import Prefix
 
 # splitmix64 (Steele et al. 2014) constants as signed int64: torch's int64 wraps as uint64 does
 GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -335,8 +335,6 @@ def generate_decoder(model, prompts, G: int, L: int, settings: tuple, stop_ids, 
     session = tools.session(N) if tools is not None else None
     record(d, logits[group])                                          # 3-4. token 0
     del cache, logits  # the prefill's cache: copied into the batch, not kept through decoding
-    if static:
-        define_packed_linear()  # the packed products' op in the compiled step (model.linear)
     step_fn = compiled_step(dev.type) if static else decode.step
     batch_at_compaction = N
     for t in range(1, L):

@@ -50,7 +50,7 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
     from tools.bench import unpacked
     keep_freed_memory()  # as train.py's CPU runs do: freed logits blocks reused, not page-faulted
     model = Transformer.from_pretrained(folder).to(getattr(torch, dtype)).eval()
-    best, toks, runs = {}, None, {}
+    toks, runs = None, {}
     for mode, t in [(m, t) for m in modes for t in temps]:
         call = partial(generate, model, prompts, 1, new, temperature=t, seed=0,
                        static=mode == "compiled")
@@ -58,12 +58,7 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
         first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
         toks = first if toks is None and t == 0 else toks  # greedy tokens, for the agreement
         runs[f"ours {mode}" + ("" if t == 0 else f" T={t:g}")] = run
-    for _ in range(calls):  # the timed calls in turns: the first setting timed is not favoured
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-    return best, toks
+    return fastest(runs, calls), toks
 
 
 def vllm(folder, prompts, new, calls, temps, dtype="float32"):
@@ -71,7 +66,7 @@ def vllm(folder, prompts, new, calls, temps, dtype="float32"):
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype,
               max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
-    best, toks, runs = {}, None, {}
+    toks, runs = None, {}
     for t in temps:
         params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True,
                                 detokenize=False)
@@ -81,13 +76,21 @@ def vllm(folder, prompts, new, calls, temps, dtype="float32"):
         first = [list(o.outputs[0].token_ids) for o in run()]
         toks = first if toks is None and t == 0 else toks
         runs["vllm" + ("" if t == 0 else f" T={t:g}")] = run
-    for _ in range(calls):  # in turns, as ours
+    check = lambda out: all(len(o.outputs[0].token_ids) == new for o in out)  # noqa: E731
+    return fastest(runs, calls, check), toks
+
+
+def fastest(runs: dict, calls: int, check=lambda out: True) -> dict:
+    """{name: the fastest of `calls` timed calls of runs[name]}, the settings timed in turns (the
+    first setting timed is not favoured); each call's output passes check."""
+    best = {}
+    for _ in range(calls):
         for name, run in runs.items():
             t0 = time.perf_counter()
             out = run()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-            assert all(len(o.outputs[0].token_ids) == new for o in out)
-    return best, toks
+            assert check(out), name
+    return best
 
 
 def child(a):

@@ -32,8 +32,10 @@ def test_our_side_times_both_modes_and_returns_the_eager_greedy_tokens(tmp_path,
     assert flags == ([packed] * 4 + [False] * 2) * 3
     assert model_py.PACKED_GEMM == packed  # and back afterwards
     assert all(0 < v < 60 for v in best.values())
-    want = rollout.generate(model, prompts, 1, 7, temperature=0.0, seed=0, static=False).completion_ids.tolist()
-    assert toks == want and all(len(t) == 7 for t in toks)  # no stop ids: every row runs all the new tokens
+    want = rollout.generate(model, prompts, 1, 7, temperature=0.0, seed=0, static=False)
+    assert toks[0] == want.completion_ids.tolist() and all(len(t) == 7 for t in toks[0])  # no stop ids: all 7
+    assert toks[1] == want.logprobs.tolist()  # the greedy tokens' log-probs, held against vLLM's
+    assert all(lp <= 0 for row in toks[1] for lp in row) and any(lp < 0 for row in toks[1] for lp in row)
     json.dumps({"best": best, "tokens": toks})  # what the child prints for the parent
 
 
@@ -56,4 +58,4 @@ def test_our_side_in_bf16_decodes_the_bf16_weights(tmp_path, monkeypatch):
     prompts = torch.randint(3, 64, (5, 6), generator=torch.Generator().manual_seed(1)).tolist()
     best, toks = compare_vllm.ours(str(tmp_path), prompts, 7, 1, [0.0], ["eager"], "bfloat16")
     want = rollout.generate(model.to(torch.bfloat16), prompts, 1, 7, temperature=0.0, seed=0).completion_ids
-    assert set(best) == {"ours eager"} and toks == want.tolist() and dtypes == {torch.bfloat16}
+    assert set(best) == {"ours eager"} and toks[0] == want.tolist() and dtypes == {torch.bfloat16}

@@ -18,7 +18,9 @@ vLLM is not a dependency (it pins its own torch): give it a venv of its own and 
      the first was up to 8% slower on this project's host, whichever it was);
   3. prints tokens/s (the fastest call of all its processes) per side, ours / vLLM, and the share of
      rows whose greedy tokens agree (random weights have near-ties: float32 sums in another order
-     may flip one).
+     may flip one), with the largest gap between the two sides' log-probs of those rows' tokens.
+     vLLM is timed twice per setting, in turns: as it serves by default, and returning the sampled
+     token's log-prob (logprobs=0) as ours always does (an RL sampler needs it): both ratios print.
 
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python --sizes 2m,20m --threads 2
   python -m tools.compare_vllm --vllm_python ~/vllm/bin/python \\
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from functools import partial
+from math import nan
 
 import torch
 
@@ -55,8 +58,9 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
         call = partial(generate, model, prompts, 1, new, temperature=t, seed=0,
                        static=mode == "compiled")
         run = partial(unpacked, call) if mode == "unpacked" else call
-        first = run().completion_ids.tolist()  # the warm-up call (the compiled one: its compile)
-        toks = first if toks is None and t == 0 else toks  # greedy tokens, for the agreement
+        first = run()  # the warm-up call (the compiled one: its compile)
+        if toks is None and t == 0:  # greedy tokens and log-probs, for the agreement
+            toks = (first.completion_ids.tolist(), first.logprobs.tolist())
         runs[f"ours {mode}" + ("" if t == 0 else f" T={t:g}")] = run
     return fastest(runs, calls), toks
 
@@ -67,15 +71,16 @@ def vllm(folder, prompts, new, calls, temps, dtype="float32"):
               max_model_len=len(prompts[0]) + new + 8,
               max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
     toks, runs = None, {}
-    for t in temps:
+    for t, lp in [(t, lp) for t in temps for lp in (None, 0)]:  # lp 0: the sampled token's log-prob
         params = SamplingParams(temperature=t, max_tokens=new, min_tokens=new, ignore_eos=True,
-                                detokenize=False)
+                                detokenize=False, logprobs=lp)
         run = partial(llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
                       use_tqdm=False)
-        # warm-up (after the compile in LLM())
-        first = [list(o.outputs[0].token_ids) for o in run()]
-        toks = first if toks is None and t == 0 else toks
-        runs["vllm" + ("" if t == 0 else f" T={t:g}")] = run
+        first = [o.outputs[0] for o in run()]  # warm-up (after the compile in LLM())
+        if toks is None and t == 0 and lp == 0:
+            toks = ([list(o.token_ids) for o in first],
+                    [[d[i].logprob for i, d in zip(o.token_ids, o.logprobs)] for o in first])
+        runs["vllm" + (" logprobs" if lp == 0 else "") + ("" if t == 0 else f" T={t:g}")] = run
     check = lambda out: all(len(o.outputs[0].token_ids) == new for o in out)  # noqa: E731
     return fastest(runs, calls, check), toks
 
@@ -163,17 +168,22 @@ def main():
                     for k, v in out["best"].items():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
-        same = (sum(x == y for x, y in zip(toks["ours"], toks["vllm"])) / a.rows
-                if toks["ours"] and toks["vllm"] else float("nan"))  # nan: no greedy call
-        ref = lambda k: tps["vllm" + k[k.index(" T="):]  # noqa: E731  vLLM at that T
-                            if " T=" in k else "vllm"]
+        (ids, lps), (vids, vlps) = toks["ours"] or ([], []), toks["vllm"] or ([], [])
+        same = [i for i, (x, y) in enumerate(zip(ids, vids)) if x == y]  # none: no greedy call
+        gap = max((abs(x - y) for i in same for x, y in zip(lps[i], vlps[i])), default=nan)
+        ref = lambda k, lp="": tps["vllm" + lp + (k[k.index(" T="):]  # noqa: E731 vLLM at that T
+                                                  if " T=" in k else "")]
+        ours_tps = {k[5:]: v for k, v in tps.items() if k[:4] != "vllm"}
         print(f"{os.path.basename(size.rstrip('/'))} ({n / 1e6:.2f}M params), "
               f"{a.rows} rows x {a.new} tokens, {a.dtype}, "
               f"{a.threads} threads: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in tps.items()) +
-              "; ours / vLLM: " + ", ".join(f"{k[5:]} {v / ref(k):.2f}x" for k, v in tps.items()
-                                            if k[:4] != "vllm")
-              + f"; rows with the same greedy tokens {same:.0%}")
-        report[size] = {"tok_s": tps, "same_rows": same, "params": n, "dtype": a.dtype}
+              "; ours / vLLM: " + ", ".join(f"{k} {v / ref(k):.2f}x" for k, v in ours_tps.items())
+              + "; ours / vLLM returning log-probs as ours do: "
+              + ", ".join(f"{k} {v / ref(k, ' logprobs'):.2f}x" for k, v in ours_tps.items())
+              + f"; rows with the same greedy tokens {len(same) / a.rows:.0%}, their log-probs "
+              f"apart by <= {gap:.3g}")
+        report[size] = {"tok_s": tps, "same_rows": len(same) / a.rows, "logprob_gap": gap,
+                        "params": n, "dtype": a.dtype}
     print(json.dumps(report))
 
 

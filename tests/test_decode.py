@@ -152,6 +152,25 @@ def test_greedy_takes_the_first_of_tied_maxima():
         assert torch.equal(lp, z.log_softmax(-1)[torch.arange(16), tok])
 
 
+def test_compiled_greedy_takes_eager_greedys_token_and_log_prob():
+    """Compiled, greedy sample() takes the least index at the row's maximum (vectorised), not max's index: the same
+    token and log-prob as eagerly on ties, a NaN amid finite logits, a row of NaN, +inf, a row of -inf."""
+    torch.manual_seed(0)
+    z = torch.randint(-4, 2, (8, 4099)).float()
+    z[1, 7], z[1, 3000] = float("nan"), float("nan")
+    z[2] = float("nan")
+    z[3, 11], z[3, 2000] = float("inf"), float("inf")
+    z[4] = float("-inf")
+    z[5, -1] = 9.0
+    compiled = torch.compile(sample, fullgraph=True, dynamic=True)
+    for rows in (z, z[[0, 5, 6]]):
+        (tok, lp), (want, want_lp) = compiled(rows, None), sample(rows, None)
+        assert torch.equal(tok, want) and torch.equal(lp.isnan(), want_lp.isnan())
+        assert torch.equal(lp.nan_to_num(), want_lp.nan_to_num())
+    assert tok.tolist() == [max(range(4099), key=lambda j, r=r: (r[j], -j)) for r in z[[0, 5, 6]].tolist()]
+    torch._dynamo.reset()
+
+
 class NaNAfterPrefill(Transformer):
     """Decode steps of rows whose prompt had 2 pad slots (cache.start == 2) return NaN logits."""
 

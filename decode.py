@@ -39,7 +39,7 @@ def sample(z: torch.Tensor, u: torch.Tensor | None):
     0 is never first: its c is its predecessor's); without (greedy), argmax z."""
     if u is None:  # greedy: the first maximum, NaN counting as one
         if torch.compiler.is_compiling():  # the least index at a max: vectorised, ~2x max's index
-            hit = (z == z.amax(-1, keepdim=True)) | (z != z)  # [B, V]; z != z: NaN (isnan: 2x slower)
+            hit = (z == z.amax(-1, keepdim=True)) | (z != z)  # [B, V]; z != z: NaN (isnan: 2x)
             tok = torch.where(hit, torch.arange(z.shape[1], device=z.device), z.shape[1]).amin(-1)
         else:  # eagerly max's index (argmax's), 3-4x faster than argmax
             tok = z.max(-1).indices

@@ -59,3 +59,14 @@ def test_our_side_in_bf16_decodes_the_bf16_weights(tmp_path, monkeypatch):
     best, toks = compare_vllm.ours(str(tmp_path), prompts, 7, 1, [0.0], ["eager"], "bfloat16")
     want = rollout.generate(model.to(torch.bfloat16), prompts, 1, 7, temperature=0.0, seed=0).completion_ids
     assert set(best) == {"ours eager"} and toks[0] == want.tolist() and dtypes == {torch.bfloat16}
+
+
+def test_fastest_times_in_turns_then_profiles_a_call_of_each(capsys):
+    calls = []
+    runs = {"a": lambda: calls.append("a") or torch.ones(8).sum(),
+            "b": lambda: calls.append("b") or torch.ones(8).cumsum(0)}
+    best = compare_vllm.fastest(runs, 2, profile=True)
+    assert calls == ["a", "b", "a", "b", "a", "b"] and set(best) == {"a", "b"}
+    out = capsys.readouterr().out
+    a, b = out.split("PROFILE b")
+    assert "PROFILE a" in a and "aten::sum" in a and "aten::cumsum" in b

@@ -44,7 +44,7 @@ from model import Transformer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the children run from it
 
 
-def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
+def ours(folder, prompts, new, calls, temps, modes, dtype="float32", profile=False):
     """{mode: fastest seconds per call}, and the first mode's greedy call's tokens. Modes: eager
     (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear).
     dtype: the weights' (bfloat16: train.py's cpu_bf16 sampling copy)."""
@@ -62,10 +62,10 @@ def ours(folder, prompts, new, calls, temps, modes, dtype="float32"):
         if toks is None and t == 0:  # greedy tokens and log-probs, for the agreement
             toks = (first.completion_ids.tolist(), first.logprobs.tolist())
         runs[f"ours {mode}" + ("" if t == 0 else f" T={t:g}")] = run
-    return fastest(runs, calls), toks
+    return fastest(runs, calls, profile=profile), toks
 
 
-def vllm(folder, prompts, new, calls, temps, dtype="float32"):
+def vllm(folder, prompts, new, calls, temps, dtype="float32", profile=False):
     from vllm import LLM, SamplingParams
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype,
               max_model_len=len(prompts[0]) + new + 8,
@@ -82,12 +82,13 @@ def vllm(folder, prompts, new, calls, temps, dtype="float32"):
                     [[d[i].logprob for i, d in zip(o.token_ids, o.logprobs)] for o in first])
         runs["vllm" + (" logprobs" if lp == 0 else "") + ("" if t == 0 else f" T={t:g}")] = run
     check = lambda out: all(len(o.outputs[0].token_ids) == new for o in out)  # noqa: E731
-    return fastest(runs, calls, check), toks
+    return fastest(runs, calls, check, profile), toks
 
 
-def fastest(runs: dict, calls: int, check=lambda out: True) -> dict:
+def fastest(runs: dict, calls: int, check=lambda out: True, profile=False) -> dict:
     """{name: the fastest of `calls` timed calls of runs[name]}, the settings timed in turns (the
-    first setting timed is not favoured); each call's output passes check."""
+    first setting timed is not favoured); each call's output passes check. profile: then one more
+    call of each under torch.profiler, its top ops printed."""
     best = {}
     for _ in range(calls):
         for name, run in runs.items():
@@ -95,6 +96,11 @@ def fastest(runs: dict, calls: int, check=lambda out: True) -> dict:
             out = run()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
             assert check(out), name
+    for name, run in runs.items() if profile else ():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        print(f"PROFILE {name}\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                              row_limit=15))
     return best
 
 
@@ -102,8 +108,9 @@ def child(a):
     torch.set_num_threads(a.threads)
     prompts = json.load(open(a.prompts))
     temps = [float(t) for t in a.temperatures.split(",")]
-    best, toks = (vllm(a.folder, prompts, a.new, a.calls, temps, a.dtype) if a.side == "vllm" else
-                  ours(a.folder, prompts, a.new, a.calls, temps, a.modes.split(","), a.dtype))
+    best, toks = (vllm(a.folder, prompts, a.new, a.calls, temps, a.dtype, a.profile)
+                  if a.side == "vllm" else ours(a.folder, prompts, a.new, a.calls, temps,
+                                                a.modes.split(","), a.dtype, a.profile))
     print("RESULT " + json.dumps({"best": best, "tokens": toks}))
 
 
@@ -125,6 +132,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="processes per side, taking turns")
     p.add_argument("--calls", type=int, default=2, help="timed calls per process")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed calls, each side's ops in one more call (torch.profiler)")
     p.add_argument("--side", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompts", default="", help=argparse.SUPPRESS)
@@ -158,11 +167,12 @@ def main():
                     cmd = [py, "-m", "tools.compare_vllm", f"--side={side}", f"--folder={folder}",
                            f"--new={a.new}", f"--calls={a.calls}", f"--threads={a.threads}",
                            f"--prompts={tmp}/prompts.json", f"--temperatures={a.temperatures}",
-                           f"--modes={a.modes}", f"--dtype={a.dtype}"]
+                           f"--modes={a.modes}", f"--dtype={a.dtype}"] + ["--profile"] * a.profile
                     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
                     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                     if r.returncode or not line:
                         raise SystemExit(f"{side} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+                    print(r.stdout[:r.stdout.index(line[-1])] if a.profile else "", end="")
                     out = json.loads(line[-1][7:])
                     toks[side] = out["tokens"]
                     for k, v in out["best"].items():

@@ -45,9 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the childr
 
 
 def ours(folder, prompts, new, calls, temps, modes, dtype="float32", profile=False):
-    """{mode: fastest seconds per call}, and the first mode's greedy call's tokens. Modes: eager
-    (the CPU default), compiled (generate(static=True)), unpacked (eager by plain F.linear).
-    dtype: the weights' (bfloat16: train.py's cpu_bf16 sampling copy)."""
+    """{mode: fastest seconds per call}, and the first mode's greedy call's (tokens, log-probs).
+    Modes: eager (the CPU default), compiled (generate(static=True)), unpacked (eager by plain
+    F.linear). dtype: the weights' (bfloat16: train.py's cpu_bf16 sampling copy)."""
     from infra import keep_freed_memory
     from rollout import generate
     from tools.bench import unpacked

@@ -179,7 +179,8 @@ def main():
                         best[k] = min(best.get(k, v), v)
         tps = {k: a.rows * a.new / v for k, v in best.items()}
         (ids, lps), (vids, vlps) = toks["ours"] or ([], []), toks["vllm"] or ([], [])
-        same = [i for i, (x, y) in enumerate(zip(ids, vids)) if x == y]  # none: no greedy call
+        same = [i for i, (x, y) in enumerate(zip(ids, vids)) if x == y]
+        agree = len(same) / a.rows if ids and vids else nan  # nan: no greedy call
         gap = max((abs(x - y) for i in same for x, y in zip(lps[i], vlps[i])), default=nan)
         ref = lambda k, lp="": tps["vllm" + lp + (k[k.index(" T="):]  # noqa: E731 vLLM at that T
                                                   if " T=" in k else "")]
@@ -190,9 +191,9 @@ def main():
               "; ours / vLLM: " + ", ".join(f"{k} {v / ref(k):.2f}x" for k, v in ours_tps.items())
               + "; ours / vLLM returning log-probs as ours do: "
               + ", ".join(f"{k} {v / ref(k, ' logprobs'):.2f}x" for k, v in ours_tps.items())
-              + f"; rows with the same greedy tokens {len(same) / a.rows:.0%}, their log-probs "
+              + f"; rows with the same greedy tokens {agree:.0%}, their log-probs "
               f"apart by <= {gap:.3g}")
-        report[size] = {"tok_s": tps, "same_rows": len(same) / a.rows, "logprob_gap": gap,
+        report[size] = {"tok_s": tps, "same_rows": agree, "logprob_gap": gap,
                         "params": n, "dtype": a.dtype}
     print(json.dumps(report))
 
